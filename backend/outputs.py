@@ -1,0 +1,61 @@
+"""What the engine streams back: one delta per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.sampler import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of a finished request, in seconds (``time.monotonic``)."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+    num_output_tokens: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between output tokens after the first (TPOT); None with fewer than two tokens."""
+        if self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    """A delta: what one request gained in one step.
+
+    Attributes:
+        token_ids: the tokens sampled since the last delta.
+        text: their text (minus any tail held back as a possible stop string).
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` on the last delta, else None.
+        num_prompt_tokens / num_output_tokens: totals so far.
+        logprobs: per new token, when the request asked for logprobs.
+        error: why the request failed, with finish_reason ``error``.
+        metrics: timings, on the last delta.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,90 @@
+"""A request's state as it moves through the engine (vLLM v1's Request / RequestStatus)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from backend.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED_")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``stop``, ``length``, ``abort`` or ``error`` once finished, else None."""
+        return self.value if self.is_finished else None
+
+
+class Request:
+    """One prompt and its output so far.
+
+    ``token_ids`` holds the prompt followed by the sampled tokens. Each step the scheduler lets
+    ``num_computed_tokens`` (tokens whose K/V are in the cache) catch up with ``len(token_ids)``:
+    a prefill is many tokens at once, a decode is the one token sampled last step (vLLM v1's single rule).
+    Preemption by recompute resets ``num_computed_tokens`` to 0 and keeps the tokens.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], max_tokens: int) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.error: str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        # Timestamps (time.monotonic seconds) for TTFT / TPOT / end-to-end latency.
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")

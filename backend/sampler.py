@@ -1,0 +1,135 @@
+"""Batched sampling: one pass over the step's logits with each request's own parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and the top-N alternatives (of the model's raw distribution)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Turns ``[batch, vocab]`` logits into one token per request.
+
+    Order, as in vLLM and transformers' logits processors: penalties (repetition, presence, frequency),
+    min_tokens (EOS and stop_token_ids masked), then greedy argmax, or temperature, top-k, top-p
+    (Holtzman et al. 2020), min-p and a draw. Draws use the exponential race
+    (argmax of p / Exp(1), equivalent to sampling from p) so a batch needs no per-row multinomial; a
+    seeded request draws its noise from its own ``torch.Generator``, so its tokens do not depend on what
+    shares its batch.
+    """
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """
+        Args:
+            logits: ``[batch, vocab]`` for ``requests`` in order (any float dtype; computed in fp32).
+
+        Returns:
+            One token id per request, and logprobs for the requests that asked.
+        """
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        logits = self._apply_penalties(logits, requests)
+        logits = self._apply_min_tokens(logits, requests)
+        token_ids = logits.argmax(dim=-1)
+        sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows)
+            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in sampled_rows])
+
+        ids = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, request in enumerate(requests):
+                if want_logprobs[i]:
+                    logprobs[i] = _logprobs(raw_logprobs[i], ids[i], request.params.logprobs)
+        return SamplerOutput(ids, logprobs)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests)
+                if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty]
+        for i in rows:  # only requests that asked for penalties pay for them
+            params = requests[i].params
+            row = logits[i]
+            output = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(requests[i].token_ids, dtype=torch.long).unique()
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
+            if output.numel() and (params.presence_penalty or params.frequency_penalty):
+                counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        for i, request in enumerate(requests):
+            params = request.params
+            if request.num_output_tokens < params.min_tokens:
+                banned = [*params.stop_token_ids, *request.eos_token_ids]
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """``logits`` ``[rows, vocab]`` of non-greedy requests -> ``[rows]`` token ids."""
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+        logits = logits / temperature[:, None]
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=request.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks to -inf what top-k and top-p drop, with one descending sort for the whole batch."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k])
+    positions = torch.arange(vocab)[None, :]
+    drop = positions >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is below top_p (the most likely token is always kept).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
+    top = {}
+    if top_n:
+        values, indices = row.topk(top_n)
+        top = dict(zip(indices.tolist(), values.tolist()))
+    return TokenLogprobs(token_id, row[token_id].item(), top)

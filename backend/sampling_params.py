@@ -1,0 +1,131 @@
+"""Per-request sampling settings, with the names and meanings vLLM and the OpenAI API use."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Attributes:
+        n: completions for the prompt (parallel sampling; only 1 is supported today).
+        max_tokens: most output tokens; None allows up to ``max_model_len``.
+        min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_k: keep the k most likely tokens; -1 keeps all.
+        top_p: keep the smallest set of tokens whose probability sums to top_p (nucleus, Holtzman et al. 2020).
+        min_p: drop tokens less likely than min_p times the most likely one.
+        repetition_penalty: divides positive (multiplies negative) logits of tokens already in prompt or
+            output (Keskar et al. 2019, CTRL); 1 is off.
+        presence_penalty: subtracted once from tokens already in the output (OpenAI semantics).
+        frequency_penalty: subtracted per occurrence in the output (OpenAI semantics).
+        seed: a per-request random generator seed: the same seed gives the same tokens whatever shares the batch.
+        stop: strings that end the request; the stop string itself is not returned.
+        stop_token_ids: token ids that end the request (the token is kept in output_ids).
+        ignore_eos: keep generating after the EOS token.
+        logprobs: also return the sampled token's log-probability and the top-N alternatives (0..20).
+        skip_special_tokens: leave special tokens out of the text.
+
+    Raises:
+        ValueError: naming the field and its allowed range, on any invalid value.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _int("n", self.n, low=1, high=1)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, low=1)
+        _int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _float("temperature", self.temperature, low=0.0)
+        _int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (off) or a positive integer, got 0")
+        _float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _float("min_p", self.min_p, low=0.0, high=1.0)
+        _float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _int("seed", self.seed, low=0, high=2**63 - 1)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids:
+            _int("stop_token_ids", token_id, low=0)
+        _bool("ignore_eos", self.ignore_eos)
+        _bool("skip_special_tokens", self.skip_special_tokens)
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> "SamplingParams":
+        """Builds params from a JSON-like dict (the Triton `sampling_parameters` input).
+
+        Raises:
+            ValueError: an unknown key, or any invalid value.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, float) and value.is_integer():
+        raise ValueError(f"{name} must be an integer, got float {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    _range(name, value, low, high, low_open=False)
+
+
+def _float(name: str, value: object, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    _range(name, value, low, high, low_open)
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _range(name: str, value: float, low: float | None, high: float | None, low_open: bool) -> None:
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        left = "(" if low_open else "["
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}{']' if high is not None else ')'}, got {value!r}")

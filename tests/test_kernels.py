@@ -1,0 +1,308 @@
+"""Paged-attention Triton kernels against their PyTorch references.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors.
+@triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. when the
+kernels package is imported, so it is set here before that import, and the
+kernel modules are re-imported if another test module imported them first.
+Setting it also makes kernels imported later in the session interpreted.
+With a GPU (and TRITON_INTERPRET unset) the same tests run compiled on CUDA.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+USE_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not USE_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.decode_attention import choose_num_splits  # noqa: E402
+
+KERNEL_MODULES = ("kernels.reshape_and_cache", "kernels.decode_attention", "kernels.prefill_attention")
+if not USE_CUDA and not isinstance(sys.modules["kernels.decode_attention"]._decode_split_kernel, InterpretedFunction):
+    for name in KERNEL_MODULES:
+        importlib.reload(sys.modules[name])
+    importlib.reload(kernels)
+
+DEVICE = "cuda" if USE_CUDA else "cpu"
+INTERPRETED = not USE_CUDA
+NUM_BLOCKS = 32
+TOLERANCE = {  # (atol, rtol); fp16/bf16 outputs are rounded once from fp32
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+# The interpreter stores bf16 as uint16 and its tl.dot multiplies the raw bits
+# (triton-lang/triton#11584; bf16 arithmetic is unsupported there), so bf16
+# attention is only tested compiled. Copies (reshape_and_cache) work.
+NEEDS_BF16_DOT = pytest.mark.skipif(INTERPRETED, reason="Triton interpreter has no bf16 tl.dot")
+
+
+def assert_close(actual, expected):
+    atol, rtol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def make_caches(block_size, num_kv_heads, head_dim, dtype):
+    """Caches full of NaN, so that reading any slot not written by fill_context
+    (or by the test) poisons the output."""
+    shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    return key_cache, value_cache
+
+
+def make_block_tables(seq_lens, block_size, generator):
+    """Give each sequence distinct blocks scattered at random through the pool;
+    unused entries point at block 0, whose NaN slots must never be read."""
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    pool = torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1
+    assert sum(blocks_needed) <= len(pool), "test sequences do not fit the block pool"
+    table = torch.zeros(len(seq_lens), max(blocks_needed) + 1, dtype=torch.int32)
+    start = 0
+    for i, count in enumerate(blocks_needed):
+        table[i, :count] = pool[start : start + count]
+        start += count
+    return table.to(DEVICE)
+
+
+def fill_context(key_cache, value_cache, block_tables, seq_lens, generator):
+    """Write random keys/values for every sequence's tokens 0..seq_len-1 via the reference."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    for i, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len, device=DEVICE)
+        slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
+        shape = (seq_len, num_kv_heads, head_dim)
+        key = torch.randn(shape, generator=generator).to(DEVICE, key_cache.dtype)
+        value = torch.randn(shape, generator=generator).to(DEVICE, key_cache.dtype)
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slots)
+
+
+def random_tensor(shape, dtype, generator):
+    return torch.randn(shape, generator=generator).to(DEVICE, dtype)
+
+
+# ---------------------------------------------------------------- reshape_and_cache
+
+
+@pytest.mark.parametrize(
+    "block_size, head_dim, num_kv_heads, dtype",
+    [
+        (16, 64, 2, torch.float32),
+        (32, 128, 1, torch.float16),
+        (16, 128, 4, torch.bfloat16),
+    ],
+)
+def test_reshape_and_cache_matches_reference(block_size, head_dim, num_kv_heads, dtype):
+    generator = torch.Generator().manual_seed(0)
+    num_tokens = 40
+    shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+    key_cache = random_tensor(shape, dtype, generator)
+    value_cache = random_tensor(shape, dtype, generator)
+    # key and value as strided views into one packed [tokens, 2 * kv_heads, head_dim] tensor
+    packed = random_tensor((num_tokens, 2 * num_kv_heads, head_dim), dtype, generator)
+    key, value = packed[:, :num_kv_heads], packed[:, num_kv_heads:]
+    slots = torch.randperm(NUM_BLOCKS * block_size, generator=generator)[:num_tokens]
+    slots[::7] = -1  # padding tokens
+    slots = slots.to(DEVICE)
+
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_key)
+    assert torch.equal(value_cache, expected_value)
+
+
+# ---------------------------------------------------------------- decode attention
+
+DECODE_CASES = [
+    # block_size, head_dim, num_kv_heads, queries_per_kv, dtype, num_splits
+    (16, 64, 2, 1, torch.float32, 1),
+    (16, 128, 2, 4, torch.float16, 1),
+    (32, 64, 1, 8, torch.float16, None),  # MQA, automatic split choice
+    (32, 128, 2, 8, torch.float32, 3),  # split-K
+    (16, 64, 2, 4, torch.float32, 5),  # split-K with empty splits for short sequences
+    (16, 64, 4, 1, torch.float16, 2),
+    pytest.param(16, 128, 2, 4, torch.bfloat16, 2, marks=NEEDS_BF16_DOT),
+]
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_kv_heads, queries_per_kv, dtype, num_splits", DECODE_CASES)
+def test_decode_attention_matches_reference(block_size, head_dim, num_kv_heads, queries_per_kv, dtype, num_splits):
+    generator = torch.Generator().manual_seed(1)
+    # one token, exactly one block, a partial block, several blocks plus a partial one
+    seq_lens = [1, block_size, block_size + 5, 5 * block_size + 3]
+    key_cache, value_cache = make_caches(block_size, num_kv_heads, head_dim, dtype)
+    block_tables = make_block_tables(seq_lens, block_size, generator)
+    fill_context(key_cache, value_cache, block_tables, seq_lens, generator)
+    query = random_tensor((len(seq_lens), num_kv_heads * queries_per_kv, head_dim), dtype, generator)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    out = kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits)
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert_close(out, expected)
+
+
+def test_decode_attention_empty_context_gives_zeros():
+    generator = torch.Generator().manual_seed(2)
+    key_cache, value_cache = make_caches(16, 1, 64, torch.float32)
+    block_tables = make_block_tables([16], 16, generator)
+    fill_context(key_cache, value_cache, block_tables, [16], generator)
+    query = random_tensor((2, 2, 64), torch.float32, generator)
+    seq_lens = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
+    block_tables = block_tables.expand(2, -1).contiguous()
+    for num_splits in (1, 2):
+        out = kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, num_splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isfinite(out[1]).all()
+
+
+def test_choose_num_splits():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1, 8, 4096, cpu) > 1  # one long sequence: split the context
+    assert choose_num_splits(256, 8, 4096, cpu) == 1  # large batch fills the GPU alone
+    assert choose_num_splits(1, 8, 100, cpu) == 1  # too short to be worth splitting
+    assert choose_num_splits(1, 1, 1 << 20, cpu) <= 16
+
+
+# ---------------------------------------------------------------- prefill attention
+
+PREFILL_CASES = [
+    # block_size, head_dim, num_kv_heads, queries_per_kv, dtype
+    (16, 64, 2, 1, torch.float32),
+    (32, 128, 1, 4, torch.float16),
+    (16, 128, 2, 8, torch.float16),
+    pytest.param(32, 64, 2, 4, torch.bfloat16, marks=NEEDS_BF16_DOT),
+]
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_kv_heads, queries_per_kv, dtype", PREFILL_CASES)
+def test_prefill_attention_mixed_batch(block_size, head_dim, num_kv_heads, queries_per_kv, dtype):
+    generator = torch.Generator().manual_seed(3)
+    # (cached prefix, new tokens): prefill over a cached prefix spanning two query tiles,
+    # fresh prefill, decode, fresh single token, and a sequence with no new tokens.
+    batch = [(30, 70), (0, 2 * block_size + 7), (3 * block_size + 1, 1), (0, 1), (block_size, 0)]
+    seq_lens = [prefix + new for prefix, new in batch]
+    key_cache, value_cache = make_caches(block_size, num_kv_heads, head_dim, dtype)
+    block_tables = make_block_tables(seq_lens, block_size, generator)
+    fill_context(key_cache, value_cache, block_tables, seq_lens, generator)
+    num_heads = num_kv_heads * queries_per_kv
+    total_q = sum(new for _, new in batch)
+    packed_qkv = random_tensor((total_q, num_heads + 2 * num_kv_heads, head_dim), dtype, generator)
+    query = packed_qkv[:, :num_heads]  # strided view, as after a fused QKV projection
+    cu_seqlens_q = torch.tensor([0] + [new for _, new in batch], device=DEVICE).cumsum(0).int()
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    out = kernels.paged_prefill_attention(*args)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert_close(out, reference.paged_prefill_attention(*args))
+
+
+def test_prefill_after_reshape_and_cache_matches_decode():
+    """Write new tokens with the kernel, then check a decode row of a prefill batch
+    against the decode kernel with split-K."""
+    generator = torch.Generator().manual_seed(4)
+    block_size, num_kv_heads, head_dim, dtype = 16, 2, 64, torch.float32
+    batch = [(20, 9), (40, 1)]  # (cached prefix, new tokens)
+    seq_lens = [prefix + new for prefix, new in batch]
+    key_cache, value_cache = make_caches(block_size, num_kv_heads, head_dim, dtype)
+    block_tables = make_block_tables(seq_lens, block_size, generator)
+    fill_context(key_cache, value_cache, block_tables, [prefix for prefix, _ in batch], generator)
+
+    slots = []
+    for i, (prefix, new) in enumerate(batch):
+        positions = torch.arange(prefix, prefix + new, device=DEVICE)
+        slots.append(block_tables[i, positions // block_size].long() * block_size + positions % block_size)
+    slots = torch.cat(slots)
+    key = random_tensor((len(slots), num_kv_heads, head_dim), dtype, generator)
+    value = random_tensor((len(slots), num_kv_heads, head_dim), dtype, generator)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+
+    query = random_tensor((len(slots), 4 * num_kv_heads, head_dim), dtype, generator)
+    cu_seqlens_q = torch.tensor([0, 9, 10], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    prefill = kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    decode = kernels.paged_decode_attention(
+        query[cu_seqlens_q[1:] - 1], key_cache, value_cache, block_tables, seq_lens, 0.1, num_splits=2
+    )
+    assert_close(prefill[cu_seqlens_q[1:] - 1], decode)
+    expected = reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    assert_close(prefill, expected)
+
+
+# ---------------------------------------------------------------- input validation
+
+
+NON_CONTIGUOUS_CACHE = torch.zeros(4, 2, 16, 64).transpose(1, 2)
+
+
+def valid_decode_args():
+    key_cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    return dict(
+        query=torch.zeros(3, 8, 64, device=DEVICE),
+        key_cache=key_cache,
+        value_cache=torch.zeros_like(key_cache),
+        block_tables=torch.zeros(3, 2, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.ones(3, dtype=torch.int32, device=DEVICE),
+        scale=0.125,
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(query=torch.zeros(3, 3, 64)), r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+        (dict(query=torch.zeros(3, 8, 128)), "query head_dim 128 does not match the cache head_dim 64"),
+        (dict(query=torch.zeros(3, 8, 64, dtype=torch.float16)), "query dtype .* does not match"),
+        (dict(query=torch.zeros(3, 8)), "query must have 3 dimensions"),
+        (dict(value_cache=torch.zeros(4, 16, 1, 64)), "key_cache and value_cache shapes differ"),
+        (dict(key_cache=torch.zeros(4, 16, 2, 48), value_cache=torch.zeros(4, 16, 2, 48)), "power of two"),
+        (dict(key_cache=NON_CONTIGUOUS_CACHE, value_cache=NON_CONTIGUOUS_CACHE), "must be contiguous"),
+        (dict(block_tables=torch.zeros(3, 2, dtype=torch.int64)), "block_tables must have dtype torch.int32"),
+        (dict(seq_lens=torch.ones(2, dtype=torch.int32)), "expected 3 sequences"),
+        (dict(num_splits=0), "num_splits must be >= 1"),
+    ],
+)
+def test_decode_attention_rejects_bad_input(change, message):
+    args = valid_decode_args()
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    with pytest.raises(ValueError, match=message):
+        kernels.paged_decode_attention(**args)
+
+
+def test_prefill_attention_rejects_bad_input():
+    args = valid_decode_args()
+    query = torch.zeros(5, 8, 64, device=DEVICE)
+    cu_seqlens_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)  # 2 sequences, tables have 3
+    with pytest.raises(ValueError, match="expected 2 sequences"):
+        kernels.paged_prefill_attention(
+            query, args["key_cache"], args["value_cache"], args["block_tables"], cu_seqlens_q, args["seq_lens"], 0.1
+        )
+    with pytest.raises(ValueError, match="cu_seqlens_q must have dtype torch.int32"):
+        kernels.paged_prefill_attention(
+            query, args["key_cache"], args["value_cache"], args["block_tables"], cu_seqlens_q.long(), args["seq_lens"], 0.1
+        )
+
+
+def test_reshape_and_cache_rejects_bad_input():
+    key_cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.zeros(3, 2, 64, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping must have dtype torch.int64"):
+        kernels.reshape_and_cache(key, key, key_cache, value_cache, slots.int())
+    with pytest.raises(ValueError, match=r"value must have shape \(3, 2, 64\)"):
+        kernels.reshape_and_cache(key, key[:, :1], key_cache, value_cache, slots)
+    with pytest.raises(ValueError, match="key dtype torch.float16 does not match"):
+        kernels.reshape_and_cache(key.half(), key, key_cache, value_cache, slots)
