@@ -61,7 +61,7 @@ def _decode_split_kernel(
 
     group = tl.arange(0, HEAD_GROUP)
     head_valid = group < QUERIES_PER_KV
-    heads = kv_head + group * tl.num_programs(1)
+    heads = kv_head * QUERIES_PER_KV + group
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
                 mask=head_valid[:, None], other=0.0)
@@ -90,7 +90,6 @@ def _decode_split_kernel(
         running_max = new_max
 
     # An empty split (or an empty context) keeps sum 0 and writes zeros.
-    # Maxima are stored in base-2 units (scores scaled by log2(e)).
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     if NUM_SPLITS == 1:
         out_ptrs = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
@@ -98,7 +97,7 @@ def _decode_split_kernel(
     else:
         split_row = (seq * QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_SPLITS + split
         tl.store(split_out_ptr + split_row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_valid[:, None])
-        tl.store(split_max_ptr + split_row, running_max, mask=head_valid)
+        tl.store(split_max_ptr + split_row, running_max, mask=head_valid)  # in log2 units
         tl.store(split_sum_ptr + split_row, running_sum, mask=head_valid)
 
 

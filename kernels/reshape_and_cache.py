@@ -46,7 +46,7 @@ def _reshape_and_cache_kernel(
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    """Scatter new keys and values into the paged caches, in place.
+    """Scatter new keys and values into the paged caches, in place (PagedAttention layout).
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim], same dtype as the caches

@@ -1,39 +1,42 @@
 """Paged-attention Triton kernels against their PyTorch references.
 
-Without a GPU the kernels run under Triton's interpreter on CPU tensors.
-@triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. when the
-kernels package is imported, so it is set here before that import, and the
-kernel modules are re-imported if another test module imported them first.
-Setting it also makes kernels imported later in the session interpreted.
-With a GPU (and TRITON_INTERPRET unset) the same tests run compiled on CUDA.
+Without a GPU the kernels run under Triton's interpreter on CPU tensors. Triton
+reads TRITON_INTERPRET when a function is decorated with @triton.jit: its own
+library functions (tl.cdiv, tl.max, ...) when triton.language is first
+imported, and our kernels when `kernels` is imported. So this module sets it
+before importing either, unless something (conftest.py, another test module)
+imported triton already; then the in-process tests are skipped and
+test_in_fresh_process reruns this file in a new Python process with
+TRITON_INTERPRET=1. Setting TRITON_INTERPRET=1 before pytest starts (or at the
+top of conftest.py) avoids the rerun. With a GPU (and TRITON_INTERPRET unset)
+the tests run compiled on CUDA.
 """
 
-import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 USE_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not USE_CUDA:
+if not USE_CUDA and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
-from kernels.decode_attention import choose_num_splits  # noqa: E402
-
-KERNEL_MODULES = ("kernels.reshape_and_cache", "kernels.decode_attention", "kernels.prefill_attention")
-if not USE_CUDA and not isinstance(sys.modules["kernels.decode_attention"]._decode_split_kernel, InterpretedFunction):
-    for name in KERNEL_MODULES:
-        importlib.reload(sys.modules[name])
-    importlib.reload(kernels)
+from kernels.decode_attention import _decode_split_kernel, choose_num_splits  # noqa: E402
 
 DEVICE = "cuda" if USE_CUDA else "cpu"
 INTERPRETED = not USE_CUDA
-NUM_BLOCKS = 32
+TRITON_IMPORTED_TOO_EARLY = INTERPRETED and not (
+    isinstance(tl.cdiv, InterpretedFunction) and isinstance(_decode_split_kernel, InterpretedFunction)
+)
+NUM_BLOCKS = 64
 TOLERANCE = {  # (atol, rtol); fp16/bf16 outputs are rounded once from fp32
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),
@@ -43,6 +46,72 @@ TOLERANCE = {  # (atol, rtol); fp16/bf16 outputs are rounded once from fp32
 # (triton-lang/triton#11584; bf16 arithmetic is unsupported there), so bf16
 # attention is only tested compiled. Copies (reshape_and_cache) work.
 NEEDS_BF16_DOT = pytest.mark.skipif(INTERPRETED, reason="Triton interpreter has no bf16 tl.dot")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def skip_if_triton_imported_too_early(request):
+    if TRITON_IMPORTED_TOO_EARLY and request.function.__name__ not in SUBPROCESS_TESTS:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; see test_in_fresh_process")
+
+
+@pytest.mark.skipif(not TRITON_IMPORTED_TOO_EARLY, reason="the kernel tests run in this process")
+def test_in_fresh_process():
+    """Rerun this file where TRITON_INTERPRET=1 is set before triton is imported."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not sm90", __file__],
+        cwd=ROOT,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The interpreter runs kernels as NumPy code and misses compile-only errors, so
+# compile them for Hopper (sm_90) with triton's bundled ptxas; no GPU needed.
+# It runs in a subprocess because this process has TRITON_INTERPRET=1.
+SM90_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.decode_attention import _combine_splits_kernel, _decode_split_kernel
+from kernels.prefill_attention import _prefill_kernel
+from kernels.reshape_and_cache import _reshape_and_cache_kernel
+
+def compile_for_sm90(kernel, dtype, **constants):
+    types = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+             "slot_mapping_ptr": "*i64", "split_out_ptr": "*fp32", "split_max_ptr": "*fp32",
+             "split_sum_ptr": "*fp32", "scale": "fp32"}
+    names = kernel.arg_names
+    # other pointers hold the attention dtype; other scalars (strides, counts) are i32
+    signature = {name: types.get(name, "*" + dtype if name.endswith("_ptr") else "i32") for name in names}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+
+for dtype, head_dim in (("fp16", 128), ("bf16", 64), ("fp32", 64)):
+    for num_splits in (1, 4):
+        compile_for_sm90(_decode_split_kernel, dtype, QUERIES_PER_KV=4, HEAD_GROUP=16, BLOCK_SIZE=16,
+                         HEAD_DIM=head_dim, TILE_N=64, NUM_SPLITS=num_splits)
+    compile_for_sm90(_combine_splits_kernel, dtype, HEAD_DIM=head_dim, NUM_SPLITS=5, SPLITS_POW2=8)
+    compile_for_sm90(_prefill_kernel, dtype, QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_M=64,
+                     TILE_N=64)
+    compile_for_sm90(_reshape_and_cache_kernel, dtype, BLOCK_SIZE=32, HEAD_DIM=head_dim)
+"""
+
+
+@pytest.mark.skipif(USE_CUDA, reason="the kernels are compiled and run on the GPU by the other tests")
+def test_kernels_compile_for_sm90():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", SM90_COMPILE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-5000:]
+
+
+SUBPROCESS_TESTS = {test_in_fresh_process.__name__, test_kernels_compile_for_sm90.__name__}
 
 
 def assert_close(actual, expected):
@@ -130,6 +199,7 @@ DECODE_CASES = [
     (32, 128, 2, 8, torch.float32, 3),  # split-K
     (16, 64, 2, 4, torch.float32, 5),  # split-K with empty splits for short sequences
     (16, 64, 4, 1, torch.float16, 2),
+    (16, 16, 2, 4, torch.float32, 2),  # head_dim 16, as in the engine's tiny test models
     pytest.param(16, 128, 2, 4, torch.bfloat16, 2, marks=NEEDS_BF16_DOT),
 ]
 
@@ -181,6 +251,7 @@ PREFILL_CASES = [
     (16, 64, 2, 1, torch.float32),
     (32, 128, 1, 4, torch.float16),
     (16, 128, 2, 8, torch.float16),
+    (16, 16, 2, 4, torch.float32),
     pytest.param(32, 64, 2, 4, torch.bfloat16, marks=NEEDS_BF16_DOT),
 ]
 
@@ -209,6 +280,26 @@ def test_prefill_attention_mixed_batch(block_size, head_dim, num_kv_heads, queri
     assert_close(out, reference.paged_prefill_attention(*args))
 
 
+def test_prefill_attention_random_batch():
+    """Many sequences of random prefix and query lengths (0 included): checks how
+    query tiles are mapped to sequences."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, num_kv_heads, head_dim, dtype = 16, 1, 32, torch.float32
+    prefixes = torch.randint(0, 40, (12,), generator=generator).tolist()
+    q_lens = torch.randint(0, 70, (12,), generator=generator).tolist()
+    q_lens[:3] = [0, 1, 65]
+    seq_lens = [prefix + new for prefix, new in zip(prefixes, q_lens)]
+    key_cache, value_cache = make_caches(block_size, num_kv_heads, head_dim, dtype)
+    block_tables = make_block_tables(seq_lens, block_size, generator)
+    fill_context(key_cache, value_cache, block_tables, seq_lens, generator)
+    query = random_tensor((sum(q_lens), 2, head_dim), dtype, generator)
+    cu_seqlens_q = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).int()
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.2)
+    assert_close(kernels.paged_prefill_attention(*args), reference.paged_prefill_attention(*args))
+
+
 def test_prefill_after_reshape_and_cache_matches_decode():
     """Write new tokens with the kernel, then check a decode row of a prefill batch
     against the decode kernel with split-K."""
@@ -232,13 +323,13 @@ def test_prefill_after_reshape_and_cache_matches_decode():
     query = random_tensor((len(slots), 4 * num_kv_heads, head_dim), dtype, generator)
     cu_seqlens_q = torch.tensor([0, 9, 10], dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    prefill = kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    prefill = kernels.paged_prefill_attention(*args)
     decode = kernels.paged_decode_attention(
         query[cu_seqlens_q[1:] - 1], key_cache, value_cache, block_tables, seq_lens, 0.1, num_splits=2
     )
     assert_close(prefill[cu_seqlens_q[1:] - 1], decode)
-    expected = reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
-    assert_close(prefill, expected)
+    assert_close(prefill, reference.paged_prefill_attention(*args))
 
 
 # ---------------------------------------------------------------- input validation
@@ -283,16 +374,14 @@ def test_decode_attention_rejects_bad_input(change, message):
 
 def test_prefill_attention_rejects_bad_input():
     args = valid_decode_args()
+    caches = args["key_cache"], args["value_cache"]
     query = torch.zeros(5, 8, 64, device=DEVICE)
     cu_seqlens_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)  # 2 sequences, tables have 3
     with pytest.raises(ValueError, match="expected 2 sequences"):
-        kernels.paged_prefill_attention(
-            query, args["key_cache"], args["value_cache"], args["block_tables"], cu_seqlens_q, args["seq_lens"], 0.1
-        )
+        kernels.paged_prefill_attention(query, *caches, args["block_tables"], cu_seqlens_q, args["seq_lens"], 0.1)
     with pytest.raises(ValueError, match="cu_seqlens_q must have dtype torch.int32"):
-        kernels.paged_prefill_attention(
-            query, args["key_cache"], args["value_cache"], args["block_tables"], cu_seqlens_q.long(), args["seq_lens"], 0.1
-        )
+        kernels.paged_prefill_attention(query, *caches, args["block_tables"][:2], cu_seqlens_q.long(),
+                                        args["seq_lens"][:2], 0.1)
 
 
 def test_reshape_and_cache_rejects_bad_input():

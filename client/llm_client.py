@@ -1,0 +1,179 @@
+"""Stream completions from the Triton `llm` model over gRPC (decoupled streaming) or HTTP (generate_stream)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+# Sampling options and the Triton datatype of each optional input.
+SAMPLING_INPUTS = {
+    "max_tokens": ("INT32", np.int32), "min_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32),
+    "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32), "min_p": ("FP32", np.float32),
+    "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32), "seed": ("INT64", np.int64), "ignore_eos": ("BOOL", np.bool_),
+}
+
+
+class LLMError(RuntimeError):
+    """The server rejected or failed a request (the message is the server's)."""
+
+
+@dataclass
+class Delta:
+    """One streamed response: the new text and token ids; ``finish_reason`` set on the last one."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class LLMClient:
+    """A client for one server.
+
+    Args:
+        grpc_url: ``host:port`` of Triton's gRPC endpoint.
+        http_url: ``http://host:port`` of Triton's HTTP endpoint.
+        model / version: the model name and version ("" = the server's choice, by version_policy).
+    """
+
+    def __init__(self, grpc_url: str = "localhost:8001", http_url: str = "http://localhost:8000",
+                 model: str = "llm", version: str = "") -> None:
+        self.grpc_url, self.http_url = grpc_url, http_url.rstrip("/")
+        self.model, self.version = model, version
+        self._grpc: grpcclient.InferenceServerClient | None = None
+
+    # -- gRPC ----------------------------------------------------------------------------------------
+    def stream_grpc(self, prompt: str, stop: list[str] | None = None, **sampling) -> Iterator[Delta]:
+        """Streams deltas over gRPC; closing the iterator early (or Ctrl-C) cancels the request on the server.
+
+        Raises:
+            LLMError: the server answered with an error.
+        """
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        finished = False
+        try:
+            client.async_stream_infer(self.model, self._grpc_inputs(prompt, stop, True, sampling),
+                                      model_version=self.version, request_id=uuid.uuid4().hex,
+                                      enable_empty_final_response=True)
+            while not finished:
+                result, error = responses.get()
+                if error is not None:
+                    raise LLMError(str(error))
+                response = result.get_response()
+                finished = response.parameters["triton_final_response"].bool_param
+                if result.as_numpy("text_output") is None:  # the empty final response
+                    continue
+                yield _delta(result.as_numpy)
+        finally:
+            client.stop_stream(cancel_requests=not finished)
+            client.close()
+
+    @staticmethod
+    def _grpc_inputs(prompt: str, stop: list[str] | None, stream: bool, sampling: dict) -> list:
+        def tensor(name, array, datatype):
+            t = grpcclient.InferInput(name, list(array.shape), datatype)
+            t.set_data_from_numpy(array)
+            return t
+
+        inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+                  tensor("stream", np.array([stream]), "BOOL")]
+        for name, value in sampling.items():
+            if value is None:
+                continue
+            if name not in SAMPLING_INPUTS:
+                raise ValueError(f"unknown sampling option {name!r}; known: {', '.join(SAMPLING_INPUTS)}")
+            datatype, dtype = SAMPLING_INPUTS[name]
+            inputs.append(tensor(name, np.array([value], dtype=dtype), datatype))
+        if stop:
+            inputs.append(tensor("stop", np.array([s.encode() for s in stop], dtype=np.object_), "BYTES"))
+        return inputs
+
+    # -- HTTP ----------------------------------------------------------------------------------------
+    def stream_http(self, prompt: str, stop: list[str] | None = None, **sampling) -> Iterator[Delta]:
+        """Streams deltas over HTTP ``generate_stream`` (server-sent events); closing the iterator early
+        drops the connection, which cancels the request on the server.
+
+        Raises:
+            LLMError: the server answered with an error.
+        """
+        body = self._http_body(prompt, stop, True, sampling)
+        with requests.post(self._url("generate_stream"), json=body, stream=True, timeout=(5, 600)) as response:
+            if response.status_code != 200:
+                raise LLMError(_http_error(response))
+            for line in response.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise LLMError(event["error"])
+                yield _delta(lambda name: _json_output(event, name))
+
+    def generate(self, prompt: str, stop: list[str] | None = None, exclude_input_in_output: bool = True,
+                 **sampling) -> Delta:
+        """One non-streaming completion over HTTP ``generate``.
+
+        Raises:
+            LLMError: the server answered with an error.
+        """
+        body = self._http_body(prompt, stop, False, sampling)
+        body["exclude_input_in_output"] = exclude_input_in_output
+        response = requests.post(self._url("generate"), json=body, timeout=(5, 600))
+        if response.status_code != 200:
+            raise LLMError(_http_error(response))
+        event = response.json()
+        return _delta(lambda name: _json_output(event, name))
+
+    def _url(self, endpoint: str) -> str:
+        version = f"/versions/{self.version}" if self.version else ""
+        return f"{self.http_url}/v2/models/{self.model}{version}/{endpoint}"
+
+    @staticmethod
+    def _http_body(prompt: str, stop: list[str] | None, stream: bool, sampling: dict) -> dict:
+        unknown = set(sampling) - set(SAMPLING_INPUTS)
+        if unknown:
+            raise ValueError(f"unknown sampling option(s) {', '.join(sorted(unknown))}")
+        body = {"text_input": prompt, "stream": stream, **{k: v for k, v in sampling.items() if v is not None}}
+        if stop:
+            body["stop"] = list(stop)
+        return body
+
+
+def _delta(output) -> Delta:
+    text = output("text_output")
+    ids = output("output_ids")
+    reason = output("finish_reason")
+    reason = reason.reshape(-1)[0] if reason is not None and reason.size else b""
+    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    return Delta(text=_as_text(text.reshape(-1)[0]) if text is not None and text.size else "",
+                 token_ids=[int(t) for t in np.asarray(ids).reshape(-1)] if ids is not None else [],
+                 finish_reason=reason or None,
+                 num_input_tokens=int(np.asarray(output("num_input_tokens")).reshape(-1)[0]),
+                 num_output_tokens=int(np.asarray(output("num_output_tokens")).reshape(-1)[0]))
+
+
+def _as_text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _json_output(event: dict, name: str):
+    return None if name not in event else np.asarray(event[name], dtype=np.object_ if name in (
+        "text_output", "finish_reason") else np.int64)
+
+
+def _http_error(response: requests.Response) -> str:
+    try:
+        return response.json().get("error", response.text)
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text}"

@@ -1,0 +1,146 @@
+"""Triton Python backend model (decoupled): a thin adapter between Triton requests and the engine.
+
+``initialize`` builds the engine and starts its loop thread; ``execute`` validates each request, hands it
+to the engine and returns at once; a sender thread delivers the engine's deltas through each request's
+response sender. Every request gets exactly one response flagged FINAL, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend import EngineConfig, LLMEngine, RequestOutput
+from serve.metrics import EngineMetrics
+from serve.request_parsing import parse_request
+
+log = logging.getLogger("llm")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS_REFRESH_S = 0.25
+
+
+@dataclass
+class _InFlight:
+    sender: object
+    stream: bool
+    prefix: str  # the prompt, prepended to a non-streaming answer unless exclude_input_in_output
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        model_config = json.loads(args["model_config"])
+        settings = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        overrides = Path(args["model_repository"]) / args["model_version"] / "engine.json"
+        if overrides.exists():
+            settings.update(json.loads(overrides.read_text()))
+        self.engine = LLMEngine(EngineConfig.from_dict(settings))
+        self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
+        self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
+        self.inflight: dict[str, _InFlight] = {}
+        self.engine.before_step = self._abort_cancelled
+        self.engine.start()
+        self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
+        self.sender_thread.start()
+
+    def execute(self, requests: list) -> None:
+        errors = [self._submit(request) for request in requests]
+        if len(requests) == 1 and errors[0]:
+            # The error response has gone out already; raising as well makes Triton count the request as a
+            # failure instead of a success (only safe when no other request shares this call).
+            raise pb_utils.TritonModelException(errors[0])
+        return None
+
+    def _submit(self, request) -> str | None:
+        """Hands one request to the engine; on bad input sends its error response and returns the message."""
+        sender = request.get_response_sender()
+        try:
+            inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"))
+            request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+            prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
+            self.inflight[request_id] = _InFlight(sender, parsed.stream, prefix)
+            try:
+                self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs)
+            except Exception:
+                del self.inflight[request_id]
+                raise
+            return None
+        except ValueError as exc:
+            _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            return str(exc)
+        except Exception as exc:
+            log.exception("request rejected")
+            _send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+            return str(exc)
+
+    def finalize(self) -> None:
+        self.engine.shutdown(timeout=5.0)  # in-flight requests end with finish_reason "abort"
+        self.outputs.put(None)
+        self.sender_thread.join(timeout=5.0)
+
+    # -- threads ------------------------------------------------------------------------------------
+    def _abort_cancelled(self) -> None:
+        """Runs on the engine loop before every step: cancelled or disconnected requests are aborted."""
+        for request_id, state in list(self.inflight.items()):
+            if state.sender.is_cancelled():
+                self.engine.abort(request_id)
+
+    def _send_loop(self) -> None:
+        while True:
+            try:
+                out = self.outputs.get(timeout=METRICS_REFRESH_S)
+            except queue.Empty:
+                self.metrics.update(self.engine.stats())
+                continue
+            if out is None:
+                return
+            try:
+                self._send(out)
+            except Exception:
+                log.exception("sending a response failed")
+            if out.finished or self.outputs.empty():
+                self.metrics.update(self.engine.stats())
+
+    def _send(self, out: RequestOutput) -> None:
+        state = self.inflight.get(out.request_id)
+        if state is None:
+            return
+        if out.finished:
+            del self.inflight[out.request_id]
+            if out.metrics is not None:
+                self.metrics.observe_finished(out.metrics)
+        if out.finish_reason == "error":
+            _send_error(state.sender, out.error or "generation failed", pb_utils.TritonError.INTERNAL)
+            return
+        if state.stream:
+            if out.token_ids or out.text or out.finished:
+                state.sender.send(_response(out.text, out.token_ids, out), flags=FINAL if out.finished else 0)
+            return
+        state.text.append(out.text)
+        state.token_ids.extend(out.token_ids)
+        if out.finished:
+            state.sender.send(_response(state.prefix + "".join(state.text), state.token_ids, out), flags=FINAL)
+
+
+def _response(text: str, token_ids: list[int], out: RequestOutput):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("output_ids", np.array(token_ids, dtype=np.int64)),
+        pb_utils.Tensor("finish_reason", np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)),
+        pb_utils.Tensor("num_output_tokens", np.array([out.num_output_tokens], dtype=np.uint32)),
+    ])
+
+
+def _send_error(sender, message: str, code) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)

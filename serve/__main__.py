@@ -1,0 +1,3 @@
+from serve.launch import main
+
+main()

@@ -1,0 +1,93 @@
+"""Finds a ``tritonserver`` and runs it on ``model_repository/``.
+
+Where ``tritonserver`` is on PATH (the NGC container) it is used as is. Elsewhere the server bundled in
+the ``nvidia-pytriton`` wheel is used: its binary, its Python backend with the stub for this Python
+version copied beside ``libtriton_python.so``, and its shared libraries on ``LD_LIBRARY_PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import site
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+STAGING = REPO_ROOT / "build" / "triton"
+
+
+@dataclass
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def build_command(model_repository: Path = DEFAULT_MODEL_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
+                  metrics_port: int = 8002, log_verbose: int = 0, extra_args: list[str] | None = None) -> ServerCommand:
+    """The argv and environment that start tritonserver with the Python backend able to import this project.
+
+    Raises:
+        FileNotFoundError: no tritonserver on PATH and no nvidia-pytriton wheel installed.
+    """
+    env = dict(os.environ)
+    # The Python backend's stub runs its own interpreter: give it this project and this environment's packages.
+    paths = [str(REPO_ROOT), *site.getsitepackages(), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    argv = [f"--model-repository={model_repository}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
+            f"--metrics-port={metrics_port}", "--allow-metrics=true", f"--log-verbose={log_verbose}",
+            *(extra_args or [])]
+
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return ServerCommand([on_path, *argv], env)
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("no tritonserver on PATH and nvidia-pytriton is not installed "
+                                "(pip install nvidia-pytriton, or use the NGC tritonserver container)")
+    bundle = Path(spec.origin).parent / "tritonserver"
+    backends = _stage_python_backend(bundle)
+    libs = Path(spec.origin).parent.parent / "nvidia_pytriton.libs"
+    # The stub links libpython3.X: this interpreter's own LIBDIR first, so its standard library (ssl) matches.
+    lib_path = [sysconfig.get_config_var("LIBDIR"), str(libs), env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in lib_path if p)
+    return ServerCommand([str(bundle / "bin" / "tritonserver"), f"--backend-directory={backends}", *argv], env)
+
+
+def _stage_python_backend(bundle: Path) -> Path:
+    """Copies the bundled Python backend plus the stub for this Python version into ``build/triton``."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise FileNotFoundError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    target = STAGING / "backends" / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for source in [*(bundle / "backends" / "python").glob("*.*"), stub]:
+        destination = target / source.name
+        if not destination.exists() or destination.stat().st_size != source.stat().st_size:
+            shutil.copy2(source, destination)
+    return target.parent
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Start tritonserver on this repository's model repository.")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--log-verbose", type=int, default=0)
+    args, extra = parser.parse_known_args(argv)
+    command = build_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
+                            args.log_verbose, extra)
+    print("+", " ".join(command.argv), flush=True)
+    os.execve(command.argv[0], command.argv, command.env)
+
+
+if __name__ == "__main__":
+    main()

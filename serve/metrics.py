@@ -1,0 +1,96 @@
+"""Prometheus metrics through Triton's Python backend (``pb_utils.MetricFamily``), on Triton's /metrics port.
+
+The ``llm_*`` families follow vLLM's meanings. ``nv_trt_llm_kv_cache_block_metrics`` and
+``nv_trt_llm_request_metrics`` repeat the same facts under the names and labels of Triton's TensorRT-LLM
+backend, which Triton's ORCA load report and the Kubernetes Gateway API Inference Extension read.
+"""
+
+from __future__ import annotations
+
+from backend import EngineStats, RequestMetrics
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    """Publishes an engine's stats; ``update`` is cheap enough to call after every batch of outputs."""
+
+    def __init__(self, pb_utils, model: str, version: str) -> None:
+        labels = {"model": model, "version": version}
+        self._families = []  # a Metric is only valid while its MetricFamily object lives
+
+        def family(name, description, kind):
+            self._families.append(pb_utils.MetricFamily(name, description, kind))
+            return self._families[-1]
+
+        family.GAUGE, family.COUNTER = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        family.HISTOGRAM = pb_utils.MetricFamily.HISTOGRAM
+
+        def gauge(name, description, **extra):
+            return family(name, description, family.GAUGE).Metric(labels={**labels, **extra})
+
+        def counter(name, description, **extra):
+            return family(name, description, family.COUNTER).Metric(labels={**labels, **extra})
+
+        self.running = gauge("llm_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("llm_num_requests_waiting", "Requests waiting to be scheduled")
+        self.blocks_used = gauge("llm_kv_cache_blocks_used", "KV cache blocks in use")
+        self.blocks_free = gauge("llm_kv_cache_blocks_free", "KV cache blocks free")
+        self.blocks_total = gauge("llm_kv_cache_blocks_total", "KV cache blocks in the pool")
+        self.usage = gauge("llm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
+        self.prompt_tokens = counter("llm_prompt_tokens_total", "Prompt tokens prefilled")
+        self.generation_tokens = counter("llm_generation_tokens_total", "Output tokens generated")
+        self.preemptions = counter("llm_num_preemptions_total", "Requests preempted (recompute)")
+        finished = family("llm_request_finished_total", "Finished requests by finish_reason", family.COUNTER)
+        self.finished = {r: finished.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+
+        def histogram(name, description):
+            hist = family(name, description, family.HISTOGRAM)
+            return hist.Metric(labels=labels, buckets=LATENCY_BUCKETS)
+
+        self.ttft = histogram("llm_time_to_first_token_seconds", "Time to first token (TTFT)")
+        self.tpot = histogram("llm_time_per_output_token_seconds", "Mean time per output token after the first")
+        self.e2e = histogram("llm_e2e_request_latency_seconds", "End-to-end request latency")
+
+        kv_family = family("nv_trt_llm_kv_cache_block_metrics", "KV cache block metrics (TensorRT-LLM names)",
+                           family.GAUGE)
+        self.trt_kv = {t: kv_family.Metric(labels={**labels, "kv_cache_block_type": t})
+                       for t in ("max", "free", "used", "tokens_per", "fraction")}
+        request_family = family("nv_trt_llm_request_metrics", "Request metrics (TensorRT-LLM names)", family.GAUGE)
+        self.trt_requests = {t: request_family.Metric(labels={**labels, "request_type": t})
+                             for t in ("active", "max", "scheduled", "context", "waiting")}
+        self._last: EngineStats | None = None
+
+    def update(self, stats: EngineStats) -> None:
+        kv = stats.kv
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.blocks_used.set(kv.used_blocks)
+        self.blocks_free.set(kv.free_blocks)
+        self.blocks_total.set(kv.num_blocks)
+        self.usage.set(kv.usage)
+        last = self._last
+        self.prompt_tokens.increment(stats.prompt_tokens - (last.prompt_tokens if last else 0))
+        self.generation_tokens.increment(stats.generation_tokens - (last.generation_tokens if last else 0))
+        self.preemptions.increment(stats.num_preemptions - (last.num_preemptions if last else 0))
+        for reason, metric in self.finished.items():
+            metric.increment(stats.finished.get(reason, 0) - (last.finished.get(reason, 0) if last else 0))
+        self._last = stats
+
+        for key, value in (("max", kv.num_blocks), ("free", kv.free_blocks), ("used", kv.used_blocks),
+                           ("tokens_per", kv.tokens_per_block), ("fraction", kv.usage)):
+            self.trt_kv[key].set(value)
+        active = stats.num_running
+        for key, value in (("active", active), ("max", stats.max_num_seqs),
+                           ("scheduled", stats.last_step_num_scheduled if active else 0),
+                           ("context", stats.last_step_num_prefills if active else 0),
+                           ("waiting", stats.num_waiting)):
+            self.trt_requests[key].set(value)
+
+    def observe_finished(self, metrics: RequestMetrics) -> None:
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.time_per_output_token is not None:
+            self.tpot.observe(metrics.time_per_output_token)
+        self.e2e.observe(metrics.e2e_latency)
