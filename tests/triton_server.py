@@ -1,0 +1,77 @@
+"""A real tritonserver for tests: started on free ports, stopped at the end of the session."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.launch import build_command
+
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass
+class TritonServer:
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def is_ready(self) -> bool:
+        try:
+            return requests.get(f"{self.http_url}/v2/health/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """(sample name, labels) -> value, from Triton's /metrics."""
+        text = requests.get(self.metrics_url, timeout=5).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels``."""
+        wanted = set(labels.items())
+        return sum(v for (n, ls), v in self.metrics().items() if n == name and wanted <= ls)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_path: Path) -> TritonServer:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    command = build_command(http_port=http, grpc_port=grpc, metrics_port=metrics,
+                            extra_args=["--metrics-interval-ms=200"])
+    log = open(log_path, "wb")
+    process = subprocess.Popen(command.argv, env=command.env, stdout=log, stderr=subprocess.STDOUT)
+    server = TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
+                          process, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.is_ready():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_server(server)
+            raise RuntimeError(f"tritonserver did not become ready:\n{server.log()[-5000:]}")
+        time.sleep(0.5)
+    return server
+
+
+def stop_server(server: TritonServer) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(60)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
