@@ -37,9 +37,13 @@ class TritonServer:
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
     def metric(self, name: str, **labels) -> float:
-        """The sum of the samples of ``name`` whose labels include ``labels``."""
+        """The sum of the samples of ``name`` whose labels include ``labels``.
+
+        (The parser names a counter's samples ``<name>_total`` even where Triton omits the suffix.)
+        """
         wanted = set(labels.items())
-        return sum(v for (n, ls), v in self.metrics().items() if n == name and wanted <= ls)
+        names = {name, f"{name}_total"}
+        return sum(v for (n, ls), v in self.metrics().items() if n in names and wanted <= ls)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -1,0 +1,296 @@
+"""The real tritonserver end to end: streaming over both protocols, concurrency, cancellation, errors, metrics."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from client import LLMClient, LLMError
+
+pytestmark = pytest.mark.server
+GREEDY = dict(temperature=0.0, max_tokens=24)
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture
+def client(triton_server):
+    return LLMClient(triton_server.grpc_url, triton_server.http_url)
+
+
+def wait_idle(server, timeout: float = 10.0) -> float:
+    """Seconds until no request runs or waits and no KV block is used (fails after ``timeout``)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if (server.metric("llm_kv_cache_blocks_used", version="2") == 0
+                and server.metric("llm_num_requests_running", version="2") == 0
+                and server.metric("llm_num_requests_waiting", version="2") == 0):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle after {timeout} s")
+
+
+def test_streams_over_grpc_and_http_join_to_the_non_streaming_text(client):
+    whole = client.generate(PROMPT, **GREEDY)
+    assert whole.finish_reason in ("length", "stop") and whole.text
+    grpc_deltas = list(client.stream_grpc(PROMPT, **GREEDY))
+    http_deltas = list(client.stream_http(PROMPT, **GREEDY))
+    for deltas in (grpc_deltas, http_deltas):
+        assert len(deltas) > 1
+        assert "".join(d.text for d in deltas) == whole.text
+        assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+        assert [d.finish_reason for d in deltas][-1] == whole.finish_reason
+        assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_generate_endpoint_takes_inputs_or_a_parameters_object(triton_server):
+    url = f"{triton_server.http_url}/v2/models/llm/generate"
+    flat = requests.post(url, json={"text_input": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    nested = requests.post(url, json={"text_input": PROMPT, "parameters": {"max_tokens": 8, "temperature": 0}}).json()
+    assert flat["num_output_tokens"] == 8 and flat["finish_reason"] == "length"
+    assert flat["text_output"] == nested["text_output"]
+    assert flat["text_output"].startswith(PROMPT)  # exclude_input_in_output defaults to false, as in vllm_backend
+    excluded = requests.post(url, json={"text_input": PROMPT, "max_tokens": 8, "temperature": 0,
+                                        "exclude_input_in_output": True}).json()
+    assert PROMPT + excluded["text_output"] == flat["text_output"]
+
+
+def test_concurrent_requests_share_steps_and_each_gets_its_own_answer(client, triton_server):
+    prompts = [f"Question {i}: name a famous {thing}." for i, thing in
+               enumerate(["river", "mountain", "painter", "city", "planet", "poet"])]
+    alone = {p: client.generate(p, temperature=0.0, max_tokens=32, ignore_eos=True).text for p in prompts}
+    results, peak = {}, [0.0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], triton_server.metric("llm_num_requests_running", version="2"))
+            time.sleep(0.05)
+
+    def run(p):
+        results[p] = "".join(d.text for d in client.stream_grpc(p, temperature=0.0, max_tokens=32, ignore_eos=True))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    watcher.join()
+    assert peak[0] > 1, "requests never ran in the same step"
+    assert results == alone
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cancel_mid_stream_frees_blocks_and_server_keeps_serving(client, triton_server, protocol):
+    aborts_before = triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2")
+    stream = (client.stream_grpc if protocol == "grpc" else client.stream_http)(
+        "Tell me a very long story.", max_tokens=1000, ignore_eos=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert triton_server.metric("llm_kv_cache_blocks_used", version="2") > 0
+    stream.close()  # gRPC: stop_stream(cancel_requests=True); HTTP: the connection is dropped
+    elapsed = wait_idle(triton_server)
+    assert elapsed < 1.0, f"blocks freed only after {elapsed:.2f} s"
+    assert triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2") == aborts_before + 1
+    assert triton_server.is_ready()
+    assert client.generate("Hello", max_tokens=4).num_output_tokens == 4
+
+
+BAD_REQUESTS = [
+    ({"text_input": ""}, "prompt is empty"),
+    ({"text_input": "word " * 5000}, "max_model_len"),
+    ({"text_input": "hi", "temperature": -1}, "temperature"),
+    ({"text_input": "hi", "top_p": 1.5}, "top_p"),
+    ({"text_input": "hi", "top_k": 0}, "top_k"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"text_input": "hi", "stop": [""]}, "stop must be"),
+    ({"text_input": "hi", "sampling_parameters": '{"seed": -4}'}, "seed"),
+    ({"text_input": "hi", "sampling_parameters": "{not json"}, "sampling_parameters is not valid JSON"),
+    ({"text_input": "hi", "sampling_parameters": '{"tempreature": 1}'}, "unknown sampling parameter"),
+    ({"text_input": "hi", "parameters": {"top_k": 0}}, "top_k"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_error_counted_as_failure(triton_server, body, message):
+    before = triton_server.metric("nv_inference_request_failure", model="llm", version="2")
+    response = requests.post(f"{triton_server.http_url}/v2/models/llm/generate", json=body)
+    assert response.status_code == 400
+    assert message in response.json()["error"]
+    assert triton_server.is_ready()
+    ok = requests.post(f"{triton_server.http_url}/v2/models/llm/generate", json={"text_input": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+    deadline = time.monotonic() + 5  # Triton refreshes its counters every --metrics-interval-ms
+    while triton_server.metric("nv_inference_request_failure", model="llm", version="2") <= before:
+        assert time.monotonic() < deadline, "the failure was not counted"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("body, keyword", [
+    ({"text_input": "hi", "max_tokens": "many"}, "Unable to parse"),  # Triton does not name the field
+    ({"text_input": "hi", "parameters": {"top_k": 2.5}}, "parameters"),
+    ({"text_input": "hi", "parameters": {"temperature": "hot"}}, "parameters"),
+    ({"text_input": "hi", "parameters": {"ignore_eos": "maybe"}}, "parameters"),
+    ({"max_tokens": 3}, "text_input"),
+])
+def test_wrong_json_types_are_rejected_before_the_model(triton_server, body, keyword):
+    """Triton converts generate-extension JSON to typed inputs itself and rejects what does not convert."""
+    response = requests.post(f"{triton_server.http_url}/v2/models/llm/generate", json=body)
+    assert response.status_code in (400, 500)
+    assert keyword in response.json()["error"]
+    assert triton_server.is_ready()
+
+
+def test_wrongly_typed_grpc_input_is_rejected(triton_server):
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+    bad = grpcclient.InferInput("max_tokens", [1], "FP32")
+    bad.set_data_from_numpy(np.array([3.0], dtype=np.float32))
+    errors: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: errors.put(error))
+    client.async_stream_infer("llm", [text, bad], request_id="typed")
+    error = errors.get(timeout=30)
+    client.stop_stream()
+    assert error is not None and "max_tokens" in str(error) and "FP32" in str(error)
+
+
+def test_non_utf8_prompt_is_rejected_by_name(triton_server):
+    got = raw_stream(triton_server, {"text_input": ([b"caf\xe9 \xff"], "BYTES", np.object_)})
+    assert len(got) == 1 and "text_input is not valid UTF-8" in str(got[0][2])
+
+
+def raw_stream(server, body_inputs: dict, cancel_after: int | None = None) -> list[tuple[bool, object, object]]:
+    """Every gRPC response of one request as (is_final, result, error), with empty final responses on."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inputs = []
+    for name, (value, datatype, dtype) in body_inputs.items():
+        tensor = grpcclient.InferInput(name, [len(value)], datatype)
+        tensor.set_data_from_numpy(np.array(value, dtype=dtype))
+        inputs.append(tensor)
+    client.async_stream_infer("llm", inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+    got = []
+    while True:
+        try:
+            result, error = responses.get(timeout=60 if cancel_after is None else 3)
+        except queue.Empty:
+            break
+        final = error is not None or result.get_response().parameters["triton_final_response"].bool_param
+        got.append((final, result, error))
+        if final and cancel_after is None:
+            time.sleep(0.5)  # anything sent after FINAL would arrive now
+            while not responses.empty():
+                got.append((False, *responses.get()))
+            break
+        if cancel_after is not None and len(got) == cancel_after:
+            client.stop_stream(cancel_requests=True)
+    client.close()
+    return got
+
+
+def text_inputs(prompt: str, **extra) -> dict:
+    inputs = {"text_input": ([prompt.encode()], "BYTES", np.object_), "stream": ([True], "BOOL", np.bool_)}
+    for name, value in extra.items():
+        if name == "stop":
+            inputs[name] = ([s.encode() for s in value], "BYTES", np.object_)
+        elif isinstance(value, bool):
+            inputs[name] = ([value], "BOOL", np.bool_)
+        elif isinstance(value, float):
+            inputs[name] = ([value], "FP32", np.float32)
+        else:
+            inputs[name] = ([value], "INT32", np.int32)
+    return inputs
+
+
+CHAT_PROMPT = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+ENDINGS = {
+    "length": text_inputs(PROMPT, max_tokens=5, temperature=0.0),
+    "stop_string": text_inputs(PROMPT, max_tokens=40, temperature=0.0, ignore_eos=True, stop=[","]),
+    "eos": text_inputs(CHAT_PROMPT, max_tokens=60, temperature=0.0),
+    "error": text_inputs(PROMPT, top_p=3.0),
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_exactly_one_final_response_per_request(triton_server, ending):
+    got = raw_stream(triton_server, ENDINGS[ending])
+    finals = [i for i, (final, _, _) in enumerate(got) if final]
+    assert finals == [len(got) - 1], f"final flags at {finals} of {len(got)} responses"
+    last_final, result, error = got[-1]
+    if ending == "error":
+        assert error is not None and "top_p" in str(error) and len(got) == 1
+        return
+    reasons = [r.as_numpy("finish_reason") for _, r, _ in got if r.as_numpy("finish_reason") is not None]
+    last_reason = reasons[-1].reshape(-1)[0].decode()
+    assert last_reason == {"length": "length", "stop_string": "stop", "eos": "stop"}[ending]
+    if ending == "stop_string":
+        text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for _, r, _ in got
+                       if r.as_numpy("text_output") is not None)
+        assert "," not in text
+
+
+def test_cancelled_request_gets_no_response_after_cancel_and_frees_blocks(triton_server):
+    got = raw_stream(triton_server, text_inputs("Write a long essay.", max_tokens=500, ignore_eos=True),
+                     cancel_after=2)
+    assert len(got) <= 3  # the two read, at most one already in flight
+    assert wait_idle(triton_server) < 1.0
+
+
+def test_a_client_can_address_a_version(triton_server):
+    base = f"{triton_server.http_url}/v2/models/llm"
+    v1 = requests.post(f"{base}/versions/1/generate", json={"text_input": PROMPT, "max_tokens": 3}).json()
+    latest = requests.post(f"{base}/generate", json={"text_input": PROMPT, "max_tokens": 3}).json()
+    assert v1["model_version"] == "1" and latest["model_version"] == "2"
+    config = requests.get(f"{base}/versions/1/config").json()
+    assert config["name"] == "llm"
+    missing = requests.post(f"{base}/versions/7/generate", json={"text_input": PROMPT})
+    assert missing.status_code in (400, 404) and "version" in missing.json()["error"].lower()
+
+
+def test_metrics_match_what_the_requests_did(client, triton_server):
+    m = triton_server.metric
+    wait_idle(triton_server)
+    before = {name: m(name, version="1") for name in (
+        "llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
+        "llm_e2e_request_latency_seconds_count", "llm_time_per_output_token_seconds_count")}
+    length_before = m("llm_request_finished_total", finish_reason="length", version="1")
+    v1 = LLMClient(triton_server.grpc_url, triton_server.http_url, version="1")
+    outs = [v1.generate(f"Say something about number {i}.", max_tokens=5 + i, ignore_eos=True) for i in range(3)]
+    time.sleep(0.6)  # the model publishes after each batch of outputs and every 0.25 s
+    assert m("llm_prompt_tokens_total", version="1") - before["llm_prompt_tokens_total"] == sum(
+        o.num_input_tokens for o in outs)
+    assert m("llm_generation_tokens_total", version="1") - before["llm_generation_tokens_total"] == 5 + 6 + 7
+    assert m("llm_request_finished_total", finish_reason="length", version="1") - length_before == 3
+    for name in ("llm_time_to_first_token_seconds_count", "llm_e2e_request_latency_seconds_count",
+                 "llm_time_per_output_token_seconds_count"):
+        assert m(name, version="1") - before[name] == 3
+    # Idle gauges at rest, in our names and in TensorRT-LLM's.
+    total = m("llm_kv_cache_blocks_total", version="1")
+    assert total > 0 and m("llm_kv_cache_blocks_free", version="1") == total
+    assert m("llm_kv_cache_blocks_used", version="1") == 0 and m("llm_kv_cache_usage_ratio", version="1") == 0
+    assert m("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max", version="1") == total
+    assert m("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used", version="1") == 0
+    assert m("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per", version="1") == 32
+    assert m("nv_trt_llm_request_metrics", request_type="max", version="1") == 16
+    assert m("nv_trt_llm_request_metrics", request_type="active", version="1") == 0
+    assert m("nv_trt_llm_request_metrics", request_type="waiting", version="1") == 0
+
+
+def test_client_raises_the_server_error(client):
+    with pytest.raises(LLMError, match="top_k"):
+        list(client.stream_grpc("hi", top_k=0))
+    with pytest.raises(LLMError, match="top_k"):
+        list(client.stream_http("hi", top_k=0))
