@@ -23,6 +23,7 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit, capped at 8192.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         use_kernels: Triton kernels (``kernels/``) for attention; None means on CUDA only.
+        enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before) match.
     """
 
     model: str | None = None
@@ -36,6 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     use_kernels: bool | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):

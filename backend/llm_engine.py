@@ -60,6 +60,8 @@ class _Live:
     request: Request
     detokenizer: IncrementalDetokenizer
     sink: queue.Queue
+    parent_id: str  # the id the caller gave; completions of an n > 1 request share it
+    unfinished: list[int]  # shared by a request's completions: how many are still going
 
 
 class LLMEngine:
@@ -81,7 +83,7 @@ class LLMEngine:
             getattr(model.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         use_kernels = config.use_kernels if config.use_kernels is not None else model.device.type == "cuda"
         self.model_runner = ModelRunner(model, self.kv_cache_manager, use_kernels)
@@ -90,6 +92,7 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self._cond = threading.Condition()
         self._new: list[_Live] = []
+        self._groups: dict[str, list[str]] = {}  # caller's request id -> its completions' ids
         self._aborts: list[str] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -125,37 +128,44 @@ class LLMEngine:
                              f"(prompt plus at least one output token must fit)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_fits(len(prompt_ids), max_tokens)
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids, max_tokens)
-        live = _Live(request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
-                     sink if sink is not None else queue.Queue())
+        sink = sink if sink is not None else queue.Queue()
+        unfinished = [params.n]
+        group = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(child_id, prompt_ids, params, self.eos_token_ids, max_tokens, index)
+            group.append(_Live(request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                               params.stop), sink, request_id, unfinished))
+        group[0].request.forks = [live.request for live in group[1:]]
         with self._cond:
-            if request_id in self._live or any(n.request.request_id == request_id for n in self._new):
+            if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            self._new.append(live)
+            self._groups[request_id] = [live.request.request_id for live in group]
+            self._new.extend(group)
             self._cond.notify()
-        return live.sink
+        return sink
 
     def abort(self, request_id: str) -> None:
-        """Ends a request with finish_reason ``abort`` at the next step; its blocks are freed then.
-        Unknown or finished ids are ignored."""
+        """Ends a request (all its completions) with finish_reason ``abort`` at the next step; its blocks are
+        freed then. Unknown or finished ids are ignored."""
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
 
     def generate(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None) -> Iterator[RequestOutput]:
-        """Streams one request's deltas, starting the loop thread if needed."""
+        """Streams one request's deltas (of all its completions), starting the loop thread if needed."""
         self.start()
         sink = self.add_request(prompt, params, request_id)
         while True:
             out = sink.get()
             yield out
-            if out.finished:
+            if out.done:
                 return
 
     def has_unfinished_requests(self) -> bool:
         with self._cond:
-            return bool(self._live or self._new)
+            return bool(self._groups)
 
     def stats(self) -> EngineStats:
         scheduled, prefills, tokens = self._last_step
@@ -185,8 +195,7 @@ class LLMEngine:
         if thread is not None:
             thread.join(timeout)
         with self._cond:
-            self._aborts.extend(self._live)
-            self._aborts.extend(n.request.request_id for n in self._new)
+            self._aborts.extend(self._groups)
         self._take_inbox()
 
     def _run_loop(self) -> None:
@@ -223,12 +232,13 @@ class LLMEngine:
         except Exception as exc:
             log.exception("forward pass failed for %d requests", len(sched.requests))
             for request in sched.requests:
-                outputs.append(self._finish(request, RequestStatus.FINISHED_ERROR, f"forward pass failed: {exc}"))
+                if not request.is_finished:
+                    outputs.extend(self._finish(request, RequestStatus.FINISHED_ERROR, f"forward pass failed: {exc}"))
             return outputs
 
         for request in self.scheduler.update_from_output(sched, result.sampled):
             live = self._live[request.request_id]
-            if request.num_output_tokens == 1:
+            if request.num_output_tokens == 1 and request.index == 0:
                 self._prompt_tokens += request.num_prompt_tokens
             self._generation_tokens += 1
             token_id = request.token_ids[-1]
@@ -245,30 +255,43 @@ class LLMEngine:
             aborts, self._aborts = self._aborts, []
         for live in new:
             self._live[live.request.request_id] = live
-            self.scheduler.add_request(live.request)
+            if live.request.index == 0:  # the others start from it once the prompt is computed
+                self.scheduler.add_request(live.request)
         outputs = []
         for request_id in aborts:
-            live = self._live.get(request_id)
-            if live is not None:
-                outputs.append(self._finish(live.request, RequestStatus.FINISHED_ABORTED))
+            for child_id in self._groups.get(request_id, ()):
+                live = self._live.get(child_id)
+                if live is not None and not live.request.is_finished:
+                    outputs.extend(self._finish(live.request, RequestStatus.FINISHED_ABORTED))
         return outputs
 
-    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
+        """Ends a request and any completions still waiting to fork from it, emitting their last deltas."""
+        ended = [request, *request.forks]
         self.scheduler.finish_request(request, status)
-        request.error = error
-        return self._emit(self._live[request.request_id], [], None)
+        outputs = []
+        for r in ended:
+            r.error = error
+            outputs.append(self._emit(self._live[r.request_id], [], None))
+        return outputs
 
     def _emit(self, live: _Live, token_ids: list[int], logprobs) -> RequestOutput:
         request = live.request
         finished = request.is_finished
-        out = RequestOutput(request.request_id, token_ids, live.detokenizer.delta(final=finished),
+        out = RequestOutput(live.parent_id, token_ids, live.detokenizer.delta(final=finished),
                             request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
-                            logprobs, request.error)
+                            logprobs, request.error, index=request.index,
+                            num_cached_tokens=request.num_cached_tokens)
         if finished:
             out.metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time,
                                          request.num_output_tokens)
             self._finished[out.finish_reason] += 1
             del self._live[request.request_id]
+            live.unfinished[0] -= 1
+            out.done = live.unfinished[0] == 0
+            if out.done:
+                with self._cond:
+                    del self._groups[live.parent_id]
         live.sink.put(out)
         return out
 

@@ -62,6 +62,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over all scheduled tokens, packed with no padding; logits only for each
         request's last scheduled token, and only when that token is the request's last."""
+        for source, destination in self.kv.take_pending_copies():  # copy-on-write of shared blocks
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[destination].copy_(key_cache[source])
+                value_cache[destination].copy_(value_cache[source])
         requests, counts = sched.requests, sched.num_scheduled_tokens
         starts = [r.num_computed_tokens for r in requests]
         token_ids: list[int] = []

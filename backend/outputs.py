@@ -44,6 +44,9 @@ class RequestOutput:
         logprobs: per new token, when the request asked for logprobs.
         error: why the request failed, with finish_reason ``error``.
         metrics: timings, on the last delta.
+        index: which completion of an ``n`` > 1 request this delta belongs to.
+        done: True on the very last delta of the request (all of its completions finished).
+        num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
     request_id: str
@@ -55,6 +58,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    index: int = 0
+    done: bool = False
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -39,8 +39,9 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_tokens: int) -> None:
+                 eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index  # which of the prompt's n completions (parallel sampling)
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -49,10 +50,14 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.block_hashes: list[tuple[bytes, tuple]] = []  # prefix-cache hash and key per full block
+        self.num_cached_blocks = 0  # leading blocks of this request registered in the prefix cache
+        self.forks: list[Request] = []  # completions 1..n-1, started from this one once its prompt is computed
         self.error: str | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            self.generator = torch.Generator().manual_seed(params.seed + index)
         # Timestamps (time.monotonic seconds) for TTFT / TPOT / end-to-end latency.
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

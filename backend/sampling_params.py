@@ -14,7 +14,7 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        n: completions for the prompt (parallel sampling; only 1 is supported today).
+        n: completions for the prompt (parallel sampling: they share the prompt's KV blocks), 1..16.
         max_tokens: most output tokens; None allows up to ``max_model_len``.
         min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
         temperature: 0 means greedy; otherwise logits are divided by it.
@@ -56,7 +56,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _int("n", self.n, low=1, high=1)
+        _int("n", self.n, low=1, high=16)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, low=1)
         _int("min_tokens", self.min_tokens, low=0)

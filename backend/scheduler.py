@@ -101,9 +101,16 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and len(self.running) < self.max_num_seqs and token_budget > 0:
                 request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-                if not self.kv.allocate_slots(request, num_new):
+                cached = []
+                if request.request_id not in self.kv.block_tables:  # new or preempted: try the prefix cache
+                    cached = self.kv.get_computed_blocks(request)
+                num_cached = len(cached) * self.kv.block_size
+                num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget)
+                if not self.kv.allocate_slots(request, num_new, cached):
                     break
+                request.num_computed_tokens += num_cached
+                if request.num_preemptions == 0 and request.num_output_tokens == 0:
+                    request.num_cached_tokens = num_cached
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -140,6 +147,9 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+            if request.forks and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._start_forks(request)
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt
@@ -149,6 +159,17 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(request, reason)
         return updated
+
+    def _start_forks(self, request: Request) -> None:
+        """Parallel sampling: the other completions share the now computed prompt blocks and recompute only
+        the last prompt token, for logits of their own (its block is copied on write)."""
+        for child in request.forks:
+            if child.is_finished:  # aborted before it could start
+                continue
+            self.kv.fork(request, child, request.num_prompt_tokens)
+            child.num_computed_tokens = request.num_prompt_tokens - 1
+            self.waiting.appendleft(child)
+        request.forks = []
 
     @staticmethod
     def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
@@ -177,3 +198,5 @@ class Scheduler:
         request.status = status
         request.finish_time = time.monotonic()
         self.kv.free(request)
+        for child in request.forks:  # never started: they end with their parent
+            self.finish_request(child, status)
