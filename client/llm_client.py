@@ -19,6 +19,7 @@ SAMPLING_INPUTS = {
     "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32), "min_p": ("FP32", np.float32),
     "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
     "frequency_penalty": ("FP32", np.float32), "seed": ("INT64", np.int64), "ignore_eos": ("BOOL", np.bool_),
+    "n": ("INT32", np.int32),
 }
 
 
@@ -28,13 +29,16 @@ class LLMError(RuntimeError):
 
 @dataclass
 class Delta:
-    """One streamed response: the new text and token ids; ``finish_reason`` set on the last one."""
+    """One streamed response: the new text and token ids; ``finish_reason`` set on a completion's last one.
+    ``index`` tells the completions of an ``n`` > 1 request apart."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    index: int = 0
 
 
 class LLMClient:
@@ -159,8 +163,14 @@ def _delta(output) -> Delta:
     return Delta(text=_as_text(text.reshape(-1)[0]) if text is not None and text.size else "",
                  token_ids=[int(t) for t in np.asarray(ids).reshape(-1)] if ids is not None else [],
                  finish_reason=reason or None,
-                 num_input_tokens=int(np.asarray(output("num_input_tokens")).reshape(-1)[0]),
-                 num_output_tokens=int(np.asarray(output("num_output_tokens")).reshape(-1)[0]))
+                 num_input_tokens=_first_int(output("num_input_tokens")),
+                 num_output_tokens=_first_int(output("num_output_tokens")),
+                 num_cached_tokens=_first_int(output("num_cached_tokens")),
+                 index=_first_int(output("index")))
+
+
+def _first_int(value) -> int:
+    return 0 if value is None else int(np.asarray(value).reshape(-1)[0])
 
 
 def _as_text(value) -> str:
@@ -168,7 +178,9 @@ def _as_text(value) -> str:
 
 
 def _json_output(event: dict, name: str):
-    return None if name not in event else np.asarray(event[name], dtype=np.object_ if name in (
+    if name not in event:
+        return None
+    return np.asarray(event[name], dtype=np.object_ if name in (
         "text_output", "finish_reason") else np.int64)
 
 

@@ -42,6 +42,8 @@ class EngineMetrics:
         self.prompt_tokens = counter("llm_prompt_tokens_total", "Prompt tokens prefilled")
         self.generation_tokens = counter("llm_generation_tokens_total", "Output tokens generated")
         self.preemptions = counter("llm_num_preemptions_total", "Requests preempted (recompute)")
+        self.prefix_queries = counter("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
         finished = family("llm_request_finished_total", "Finished requests by finish_reason", family.COUNTER)
         self.finished = {r: finished.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
 
@@ -74,6 +76,8 @@ class EngineMetrics:
         self.prompt_tokens.increment(stats.prompt_tokens - (last.prompt_tokens if last else 0))
         self.generation_tokens.increment(stats.generation_tokens - (last.generation_tokens if last else 0))
         self.preemptions.increment(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self.prefix_queries.increment(kv.prefix_cache_queries - (last.kv.prefix_cache_queries if last else 0))
+        self.prefix_hits.increment(kv.prefix_cache_hits - (last.kv.prefix_cache_hits if last else 0))
         for reason, metric in self.finished.items():
             metric.increment(stats.finished.get(reason, 0) - (last.finished.get(reason, 0) if last else 0))
         self._last = stats

@@ -13,7 +13,7 @@ from backend import SamplingParams
 SAMPLING_INPUTS: dict[str, type] = {
     "max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
     "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "seed": int,
-    "ignore_eos": bool, "logprobs": int,
+    "ignore_eos": bool, "logprobs": int, "n": int,
 }
 FLAG_INPUTS = ("stream", "exclude_input_in_output")
 

@@ -294,3 +294,27 @@ def test_client_raises_the_server_error(client):
         list(client.stream_grpc("hi", top_k=0))
     with pytest.raises(LLMError, match="top_k"):
         list(client.stream_http("hi", top_k=0))
+
+
+def test_parallel_sampling_streams_each_completion_and_generate_returns_all(client, triton_server):
+    deltas = list(client.stream_grpc(PROMPT, n=3, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True))
+    by_index = {i: [d for d in deltas if d.index == i] for i in range(3)}
+    assert all(sum(len(d.token_ids) for d in ds) == 6 for ds in by_index.values())
+    assert sorted(d.index for d in deltas if d.finish_reason) == [0, 1, 2]
+    body = {"text_input": PROMPT, "n": 2, "max_tokens": 5, "temperature": 0, "exclude_input_in_output": True}
+    both = requests.post(f"{triton_server.http_url}/v2/models/llm/generate", json=body).json()
+    assert both["index"] == [0, 1] and both["finish_reason"] == ["length", "length"]
+    assert both["text_output"][0] == both["text_output"][1]  # greedy: forks of one prompt agree
+    assert len(both["output_ids"]) == 10
+
+
+def test_prefix_cache_hits_are_counted(client, triton_server):
+    prompt = "You are a helpful assistant. Answer briefly and precisely. " * 6 + "Why is the sky blue?"
+    hits_before = triton_server.metric("llm_prefix_cache_hits_total", version="2")
+    cached = [client.generate(prompt, max_tokens=4, temperature=0.0) for _ in range(3)]
+    assert cached[0].text == cached[1].text == cached[2].text
+    assert cached[0].num_cached_tokens == 0 or cached[0].num_cached_tokens < cached[1].num_cached_tokens
+    expected = (cached[1].num_input_tokens - 1) // 16 * 16
+    assert cached[1].num_cached_tokens == cached[2].num_cached_tokens == expected > 0
+    time.sleep(0.6)
+    assert triton_server.metric("llm_prefix_cache_hits_total", version="2") - hits_before >= 2 * expected

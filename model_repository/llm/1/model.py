@@ -32,8 +32,9 @@ class _InFlight:
     sender: object
     stream: bool
     prefix: str  # the prompt, prepended to a non-streaming answer unless exclude_input_in_output
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    finished: dict[int, RequestOutput] = field(default_factory=dict)  # completion index -> its last delta
+    text: dict[int, list[str]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 class TritonPythonModel:
@@ -115,30 +116,42 @@ class TritonPythonModel:
         state = self.inflight.get(out.request_id)
         if state is None:
             return
-        if out.finished:
+        if out.done:
             del self.inflight[out.request_id]
-            if out.metrics is not None:
-                self.metrics.observe_finished(out.metrics)
+        if out.metrics is not None:
+            self.metrics.observe_finished(out.metrics)
         if out.finish_reason == "error":
             _send_error(state.sender, out.error or "generation failed", pb_utils.TritonError.INTERNAL)
+            if not out.done:  # other completions of this request may still stream: stop them
+                self.engine.abort(out.request_id)
+                self.inflight.pop(out.request_id, None)
             return
+        flags = FINAL if out.done else 0
         if state.stream:
             if out.token_ids or out.text or out.finished:
-                state.sender.send(_response(out.text, out.token_ids, out), flags=FINAL if out.finished else 0)
+                state.sender.send(_response([out.text], out.token_ids, [out]), flags=flags)
             return
-        state.text.append(out.text)
-        state.token_ids.extend(out.token_ids)
+        state.text.setdefault(out.index, []).append(out.text)
+        state.token_ids.setdefault(out.index, []).extend(out.token_ids)
         if out.finished:
-            state.sender.send(_response(state.prefix + "".join(state.text), state.token_ids, out), flags=FINAL)
+            state.finished[out.index] = out
+        if out.done:
+            order = sorted(state.finished)
+            texts = [state.prefix + "".join(state.text.get(i, [])) for i in order]
+            ids = [t for i in order for t in state.token_ids.get(i, [])]
+            state.sender.send(_response(texts, ids, [state.finished[i] for i in order]), flags=FINAL)
 
 
-def _response(text: str, token_ids: list[int], out: RequestOutput):
+def _response(texts: list[str], token_ids: list[int], outs: list[RequestOutput]):
+    """One response; with n > 1 completions and stream false, one entry per completion (ids concatenated)."""
     return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_)),
         pb_utils.Tensor("output_ids", np.array(token_ids, dtype=np.int64)),
-        pb_utils.Tensor("finish_reason", np.array([(out.finish_reason or "").encode()], dtype=np.object_)),
-        pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)),
-        pb_utils.Tensor("num_output_tokens", np.array([out.num_output_tokens], dtype=np.uint32)),
+        pb_utils.Tensor("finish_reason", np.array([(o.finish_reason or "").encode() for o in outs], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([outs[0].num_prompt_tokens], dtype=np.uint32)),
+        pb_utils.Tensor("num_output_tokens", np.array([o.num_output_tokens for o in outs], dtype=np.uint32)),
+        pb_utils.Tensor("num_cached_tokens", np.array([outs[0].num_cached_tokens], dtype=np.uint32)),
+        pb_utils.Tensor("index", np.array([o.index for o in outs], dtype=np.uint32)),
     ])
 
 
