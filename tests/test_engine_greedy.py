@@ -107,3 +107,14 @@ def test_single_token_stream_has_one_final_delta(make_engine, tiny_model_dir):
     assert [o.finish_reason for o in outs] == ["length"]
     assert outs[0].num_output_tokens == 1 and len(outs[0].token_ids) == 1
     assert drain(sink) == []
+
+
+def test_triton_kernel_path_matches_the_torch_path(make_engine, tiny_model_dir, tiny_reference, tokenizer):
+    """The engine's one switch: attention through kernels/ (here under TRITON_INTERPRET) gives the same tokens."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (set by conftest on machines without a GPU)")
+    engine = make_engine(tiny_model_dir, use_kernels=True, max_num_batched_tokens=24)
+    prompts = mixed_prompts(tokenizer, [3, 30, 17], seed=5)
+    check_all(engine, tiny_reference, prompts, 6, "kernels")
