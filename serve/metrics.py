@@ -65,6 +65,10 @@ class EngineMetrics:
         self._last: EngineStats | None = None
 
     def update(self, stats: EngineStats) -> None:
+        """Publishes what changed since the last call; nothing at all when idle (every metric write is an IPC
+        round trip to the server, and a stub blocked in one cannot exit if the server dies)."""
+        if stats == self._last:
+            return
         kv = stats.kv
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
