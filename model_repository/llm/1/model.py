@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -48,6 +49,10 @@ class TritonPythonModel:
         self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
         self.inflight: dict[str, _InFlight] = {}
+        # Held while asking a sender is_cancelled() and while sending a FINAL: Triton frees a response
+        # sender's factory after its FINAL, and asking it then reads freed memory (a server crash).
+        self.senders_lock = threading.Lock()
+        self.server_pid = os.getppid()
         self.engine.before_step = self._abort_cancelled
         self.engine.start()
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
@@ -92,21 +97,32 @@ class TritonPythonModel:
     # -- threads ------------------------------------------------------------------------------------
     def _abort_cancelled(self) -> None:
         """Runs on the engine loop before every step: cancelled or disconnected requests are aborted."""
-        for request_id, state in list(self.inflight.items()):
-            if state.sender.is_cancelled():
-                self.engine.abort(request_id)
+        self._exit_if_orphaned()
+        with self.senders_lock:
+            for request_id, state in list(self.inflight.items()):
+                if state.sender.is_cancelled():
+                    self.engine.abort(request_id)
+
+    def _exit_if_orphaned(self) -> None:
+        """This stub serves tritonserver alone: when the server is gone (killed before it could unload the
+        model), nothing can be answered any more, so the process ends instead of generating for no one."""
+        if os.getppid() != self.server_pid:
+            log.error("tritonserver (pid %d) is gone; exiting", self.server_pid)
+            os._exit(1)
 
     def _send_loop(self) -> None:
         while True:
             try:
                 out = self.outputs.get(timeout=METRICS_REFRESH_S)
             except queue.Empty:
+                self._exit_if_orphaned()
                 self.metrics.update(self.engine.stats())
                 continue
             if out is None:
                 return
             try:
-                self._send(out)
+                with self.senders_lock:
+                    self._send(out)
             except Exception:
                 log.exception("sending a response failed")
             if out.finished or self.outputs.empty():
