@@ -11,7 +11,6 @@ import argparse
 import importlib.util
 import os
 import shutil
-import site
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -36,9 +35,10 @@ def build_command(model_repository: Path = DEFAULT_MODEL_REPOSITORY, http_port: 
         FileNotFoundError: no tritonserver on PATH and no nvidia-pytriton wheel installed.
     """
     env = dict(os.environ)
-    # The Python backend's stub runs its own interpreter: give it this project and this environment's packages.
-    paths = [str(REPO_ROOT), *site.getsitepackages(), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # The Python backend's stub embeds its own interpreter, which finds its prefix by looking for `python3`
+    # on PATH: this environment's bin first, so the stub sees this virtual environment's packages.
+    # (It ignores PYTHONPATH; this project is importable there through its editable install or its cwd.)
+    env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
     argv = [f"--model-repository={model_repository}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
             f"--metrics-port={metrics_port}", "--allow-metrics=true", f"--log-verbose={log_verbose}",
             *(extra_args or [])]

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from serve.request_parsing import parse_request
 log = logging.getLogger("llm")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_REFRESH_S = 0.25
+ORPHAN_CHECK_S = 0.5
 
 
 @dataclass
@@ -57,6 +59,7 @@ class TritonPythonModel:
         self.engine.start()
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self.sender_thread.start()
+        threading.Thread(target=self._exit_when_orphaned, name="llm-watchdog", daemon=True).start()
 
     def execute(self, requests: list) -> None:
         errors = [self._submit(request) for request in requests]
@@ -97,25 +100,25 @@ class TritonPythonModel:
     # -- threads ------------------------------------------------------------------------------------
     def _abort_cancelled(self) -> None:
         """Runs on the engine loop before every step: cancelled or disconnected requests are aborted."""
-        self._exit_if_orphaned()
         with self.senders_lock:
             for request_id, state in list(self.inflight.items()):
                 if state.sender.is_cancelled():
                     self.engine.abort(request_id)
 
-    def _exit_if_orphaned(self) -> None:
+    def _exit_when_orphaned(self) -> None:
         """This stub serves tritonserver alone: when the server is gone (killed before it could unload the
-        model), nothing can be answered any more, so the process ends instead of generating for no one."""
-        if os.getppid() != self.server_pid:
-            log.error("tritonserver (pid %d) is gone; exiting", self.server_pid)
-            os._exit(1)
+        model), nothing can be answered any more, so the process ends instead of generating for no one.
+        A thread of its own, since the others may be blocked for good in a call to the dead server."""
+        while os.getppid() == self.server_pid:
+            time.sleep(ORPHAN_CHECK_S)
+        log.error("tritonserver (pid %d) is gone; exiting", self.server_pid)
+        os._exit(1)
 
     def _send_loop(self) -> None:
         while True:
             try:
                 out = self.outputs.get(timeout=METRICS_REFRESH_S)
             except queue.Empty:
-                self._exit_if_orphaned()
                 self.metrics.update(self.engine.stats())
                 continue
             if out is None:
