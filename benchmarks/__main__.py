@@ -1,0 +1,62 @@
+"""``python -m benchmarks [--quick] [--num-requests N] [--seed S] [--rate R] [--systems a,b] [--output-dir DIR]``"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from benchmarks.config import MODES, QUICK, SYSTEMS, BenchConfig
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="small workload, shorter outputs, naive on a subset: about 3 minutes on 2 cores")
+    parser.add_argument("--num-requests", type=int, help="requests in the workload (default 40; quick 16)")
+    parser.add_argument("--seed", type=int, help="workload seed (default 0)")
+    parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 2.0)")
+    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
+    parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default both)")
+    parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--threads", type=int, help="torch threads for every system (default: torch's default)")
+    parser.add_argument("--static-batch", type=int, help="static batching batch size (default 16)")
+    parser.add_argument("--naive-max-requests", type=int,
+                        help="run naive on the first N requests only (default 8; quick 4; 0 = all)")
+    parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+
+    values = dict(QUICK) if args.quick else {}
+    values["quick"] = args.quick
+    for field in ("num_requests", "seed", "rate", "model", "threads", "static_batch", "output_dir"):
+        if getattr(args, field) is not None:
+            values[field] = getattr(args, field)
+    if args.naive_max_requests is not None:
+        values["naive_max_requests"] = args.naive_max_requests or None
+    if args.systems:
+        values["systems"] = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    if args.modes:
+        values["modes"] = tuple(s.strip() for s in args.modes.split(",") if s.strip())
+    values["progress"] = not args.no_progress
+    known = {f.name for f in dataclasses.fields(BenchConfig)}
+    return BenchConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    config = parse_args(argv)
+    from benchmarks.report import markdown  # torch and transformers load after argument errors are reported
+    from benchmarks.runner import run_benchmark
+
+    args = sys.argv[1:] if argv is None else argv
+    report = run_benchmark(config, command=" ".join(["python -m benchmarks", *args]))
+    print(markdown(report))
+    print("written:", ", ".join(report["files"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

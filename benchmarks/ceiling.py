@@ -1,0 +1,50 @@
+"""The forward-only ceiling: what the model alone costs per decode step at a given batch and context.
+
+Plain transformers forward passes with its own ``DynamicCache``: prefill one row of ``context`` real text
+tokens, repeat that cache to ``batch`` rows (untimed; the values do not change the cost), then time decode
+steps of one token per row. No scheduling, sampling beyond argmax,
+detokenization or padding: an engine at this batch size cannot beat ``batch / step time`` tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache
+
+from benchmarks.hf_baselines import load_hf_model
+
+WARMUP_STEPS = 2
+
+
+@torch.inference_mode()
+def measure_ceiling(model_dir: str, batch: int, context: int, steps: int, token_ids: list[int]) -> dict:
+    """Decode throughput of the bare model.
+
+    Args:
+        batch: rows per forward pass.
+        context: tokens already in each row's cache when timing starts.
+        steps: timed decode steps (after ``WARMUP_STEPS`` untimed ones).
+        token_ids: real text tokens to fill the prompt with (cycled).
+
+    Returns:
+        ``batch``, ``context``, ``step_s`` (median seconds per decode step) and ``output_tokens_per_s``.
+    """
+    model = load_hf_model(model_dir)
+    prompt = [token_ids[i % len(token_ids)] for i in range(context)]
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(batch)
+    next_ids = out.logits[:, -1:].argmax(-1).repeat(batch, 1)
+    times = []
+    for step in range(WARMUP_STEPS + steps):
+        begin = time.perf_counter()
+        out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)
+        next_ids = out.logits[:, -1:].argmax(-1)
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - begin)
+    del model, cache
+    step_s = sorted(times)[len(times) // 2]  # median: robust to other load on the machine
+    return {"batch": batch, "context": context, "steps": steps, "step_s": step_s,
+            "output_tokens_per_s": batch / step_s}

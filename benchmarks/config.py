@@ -1,0 +1,77 @@
+"""Benchmark settings: one dataclass, plus the ``--quick`` preset."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "ceiling")
+MODES = ("offline", "online")
+
+
+@dataclass
+class BenchConfig:
+    """What to run and on what workload.
+
+    Attributes:
+        num_requests: requests in the workload.
+        seed: fixes prompts, output lengths and arrival times.
+        rate: online arrival rate, requests per second (Poisson process).
+        systems / modes: which of :data:`SYSTEMS` and :data:`MODES` to run.
+        model: a Hugging Face directory; None is the default SmolLM2-135M-Instruct (the server always serves
+            the default, so it is skipped for any other model).
+        threads: torch intra-op threads, the same for every system in this process.
+        prompt_tokens: (min, max) prompt length in tokens, drawn log-uniformly (long-tailed).
+        short_output / long_output: (min, max) output tokens, uniform; ``long_share`` of requests are long.
+        static_batch: batch size of the static-batching baseline.
+        naive_max_requests: the naive baseline runs only the first this-many requests (by arrival); None = all.
+        max_num_seqs / max_num_batched_tokens / block_size / kv_cache_bytes: the batching limits and KV pool
+            (bytes) given to our engine and, translated, to transformers' continuous batching; they match the
+            server's model ``llm`` version 2.
+        ceiling_steps: timed decode steps of the forward-only ceiling.
+        output_dir: where the JSON, markdown and PNGs go.
+        progress: show tqdm progress bars.
+    """
+
+    num_requests: int = 40
+    seed: int = 0
+    rate: float = 1.0
+    systems: tuple[str, ...] = SYSTEMS
+    modes: tuple[str, ...] = MODES
+    model: str | None = None
+    threads: int = field(default_factory=torch.get_num_threads)
+    prompt_tokens: tuple[int, int] = (16, 256)
+    short_output: tuple[int, int] = (16, 64)
+    long_output: tuple[int, int] = (256, 512)
+    long_share: float = 0.2
+    static_batch: int = 16
+    naive_max_requests: int | None = 8
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    ceiling_steps: int = 16
+    output_dir: str = "results/bench"
+    quick: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown:
+            raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+        unknown = set(self.modes) - set(MODES)
+        if unknown:
+            raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
+        if self.num_requests < 1 or self.rate <= 0 or self.threads < 1 or self.static_batch < 1:
+            raise ValueError("num_requests, rate, threads and static_batch must be positive")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --quick: a small workload with shorter outputs, so the whole run fits in about 3 minutes on 2 cores.
+# The naive baseline runs a subset (its rate is a rate: not extrapolated, the subset is stated).
+QUICK = dict(num_requests=16, rate=2.0, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(64, 128),
+             naive_max_requests=4, ceiling_steps=8)

@@ -1,0 +1,126 @@
+"""Our engine in process: the loop thread steps while a feeder thread adds requests at their arrival times;
+the caller reads every delta from one shared queue and timestamps it there (what a user of the engine sees).
+
+A ``before_step`` hook samples, once per step, the running batch and the KV pool:
+tokens stored / slots reserved = sum(num_computed_tokens of running requests) / (used_blocks * block_size).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from tqdm import tqdm
+
+from backend import EngineConfig, LLMEngine, SamplingParams
+from benchmarks.config import BenchConfig
+from benchmarks.records import RequestRecord, SystemRun
+from benchmarks.workload import Workload, sleep_until
+
+
+def engine_config(config: BenchConfig) -> EngineConfig:
+    """The engine settings of the benchmark (those of the server's ``llm`` version 2)."""
+    return EngineConfig(model=config.model, num_threads=config.threads, max_num_seqs=config.max_num_seqs,
+                        max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+                        kv_cache_memory_bytes=config.kv_cache_bytes)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class StepTrace:
+    """Per-step samples, taken by the loop thread before each step (so they describe the previous step):
+    time (s), requests in that step, running requests, KV blocks used, tokens stored."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.rows: list[tuple[float, int, int, int, int]] = []
+        self._steps = engine.stats().num_steps
+
+    def __call__(self) -> None:
+        stats = self.engine.stats()
+        if stats.num_steps == self._steps:
+            return
+        self._steps = stats.num_steps
+        stored = sum(r.num_computed_tokens for r in self.engine.scheduler.running)
+        self.rows.append((time.perf_counter(), stats.last_step_num_scheduled, stats.num_running,
+                          stats.kv.used_blocks, stored))
+
+    def summary(self, start: float) -> tuple[float, dict, dict]:
+        """(mean requests per step, KV figures, timeline for the plots)."""
+        kv = self.engine.stats().kv
+        block = kv.tokens_per_block
+        reserved = sum(r[3] for r in self.rows) * block
+        stored = sum(r[4] for r in self.rows)
+        ratio = stored / reserved if reserved else 1.0
+        mean_batch = sum(r[1] for r in self.rows) / len(self.rows)
+        timeline = {"t_s": [r[0] - start for r in self.rows], "step_requests": [r[1] for r in self.rows],
+                    "running": [r[2] for r in self.rows],
+                    "kv_used_pct": [100 * r[3] / kv.num_blocks for r in self.rows],
+                    "kv_waste_pct": [100 * (1 - r[4] / (r[3] * block)) if r[3] else 0.0 for r in self.rows]}
+        kv_figures = {"stored_tokens": stored, "reserved_slots": reserved, "stored_per_reserved": ratio,
+                      "waste_pct": 100 * (1 - ratio), "num_blocks": kv.num_blocks, "block_size": block,
+                      "peak_used_pct": max(timeline["kv_used_pct"], default=0.0)}
+        return mean_batch, kv_figures, timeline
+
+
+class EngineSystem:
+    name = "engine"
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.engine = LLMEngine(engine_config(config))
+        self.progress = config.progress
+        sink = self.engine.add_request([1, 2, 3, 4], greedy(4))  # warm-up, untimed
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        while not sink.empty():
+            sink.get_nowait()
+
+    def run(self, workload: Workload, mode: str) -> SystemRun:
+        engine, arrivals = self.engine, workload.arrivals(mode)
+        records = {r.index: RequestRecord(r.index, 0.0, r.output_len) for r in workload.requests}
+        sink: queue.Queue = queue.Queue()
+        trace = StepTrace(engine)
+        preempted_before = engine.stats().num_preemptions
+        engine.before_step = trace
+        engine.start()
+        start = time.perf_counter()
+        for rec in records.values():
+            rec.arrival = start + arrivals[rec.index]
+
+        def feed() -> None:
+            for r in workload.requests:
+                sleep_until(start + arrivals[r.index])
+                engine.add_request(list(r.prompt_ids), greedy(r.output_len), request_id=str(r.index), sink=sink)
+
+        feeder = threading.Thread(target=feed, name="bench-feeder", daemon=True)
+        feeder.start()
+        with tqdm(total=len(records), desc=f"engine {mode}", disable=not self.progress, leave=False) as bar:
+            done = 0
+            while done < len(records):
+                out = sink.get()
+                now = time.perf_counter()
+                rec = records[int(out.request_id)]
+                rec.token_times += [now] * len(out.token_ids)
+                rec.num_output_tokens = out.num_output_tokens
+                if out.finished:
+                    if out.finish_reason != "length":
+                        raise RuntimeError(f"engine request {out.request_id} ended with {out.finish_reason}: "
+                                           f"{out.error}")
+                    rec.finish = now
+                    done += 1
+                    bar.update(1)
+        feeder.join()
+        engine.shutdown()
+        trace()  # the last step
+        engine.before_step = None
+        mean_batch, kv, timeline = trace.summary(start)
+        return SystemRun("engine", mode, list(records.values()), start, mean_batch=mean_batch,
+                         batch_source="requests per engine step", kv=kv, timeline=timeline,
+                         preemptions=engine.stats().num_preemptions - preempted_before)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        del self.engine

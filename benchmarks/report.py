@@ -1,0 +1,165 @@
+"""The report: ratios, targets and consistency checks over the per-run summaries; JSON and markdown."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from benchmarks.config import MODES, SYSTEMS
+
+LABELS = {"naive": "naive (HF generate, 1 at a time)", "static": "static batching (HF generate)",
+          "generate_batch": "HF continuous batching", "engine": "ours, in process",
+          "server": "ours via Triton gRPC", "ceiling": "ceiling (forward only)"}
+# (key, numerator, denominator, target ratio): output tokens/s of one system over another's, per mode.
+RATIOS = (("engine_vs_static", "engine", "static", 4.0), ("engine_vs_generate_batch", "engine", "generate_batch", 3.5),
+          ("engine_vs_naive", "engine", "naive", 10.0), ("engine_vs_ceiling", "engine", "ceiling", 0.85),
+          ("server_vs_engine", "server", "engine", 0.90))
+KV_WASTE_TARGET_PCT = 4.0
+DEFINITIONS = {
+    "output_tokens_per_s": "useful output tokens (each request's own length) / (last finish - run start)",
+    "requests_per_s": "finished requests / (last finish - run start)",
+    "ttft_s": "first token visible to the caller - request arrival; = e2e where the system does not stream",
+    "itl_ms": "gaps between consecutive tokens of a request, pooled over requests",
+    "e2e_s": "whole answer available - request arrival",
+    "mean_batch": "see batch_source per run",
+    "kv": "tokens stored / slots reserved = sum(num_computed_tokens) / (used_blocks * block_size), summed over "
+          "per-step samples; waste = 1 - that",
+    "engine_vs_ceiling": "engine efficiency: our tokens/s over the forward-only ceiling at our mean batch",
+    "targets": "judged on the offline runs (online throughput is bounded by the arrival rate); KV waste on all",
+}
+
+
+def build_report(config: dict, machine: dict, workload: dict, runs: list[dict], skipped: dict[str, str]) -> dict:
+    runs = sorted(runs, key=lambda r: (SYSTEMS.index(r["system"]), MODES.index(r["mode"])))
+    modes = list(dict.fromkeys(run["mode"] for run in runs))
+    ratios = {mode: _ratios(runs, mode) for mode in modes}
+    return {"config": config, "machine": machine, "workload": workload, "runs": runs, "skipped": skipped,
+            "ratios": ratios, "targets": _targets(runs, ratios), "checks": _checks(runs, workload),
+            "definitions": DEFINITIONS}
+
+
+def _tokens_per_s(runs: list[dict], system: str, mode: str) -> float | None:
+    for run in runs:
+        if run["system"] == system and run["mode"] == mode:
+            return run["output_tokens_per_s"]
+    return None
+
+
+def _ratios(runs: list[dict], mode: str) -> dict:
+    out = {}
+    for key, num, den, _ in RATIOS:
+        a, b = _tokens_per_s(runs, num, mode), _tokens_per_s(runs, den, mode)
+        out[key] = a / b if a and b else None
+    return out
+
+
+def _targets(runs: list[dict], ratios: dict) -> list[dict]:
+    offline = ratios.get("offline", {})
+    targets = [{"name": key, "target": f">= {goal:g}x" if goal >= 1 else f">= {goal:.0%}", "value": offline.get(key),
+                "met": None if offline.get(key) is None else offline[key] >= goal} for key, _, _, goal in RATIOS]
+    for run in runs:
+        if run.get("kv"):
+            waste = run["kv"]["waste_pct"]
+            targets.append({"name": f"kv_waste_pct ({run['mode']})", "target": f"< {KV_WASTE_TARGET_PCT:g}%",
+                            "value": waste, "met": waste < KV_WASTE_TARGET_PCT})
+    return targets
+
+
+def _checks(runs: list[dict], workload: dict) -> dict:
+    """Every system produced exactly the workload's output lengths (naive: over the requests it ran)."""
+    served = [r for r in runs if r["system"] != "ceiling"]
+    exact = {f"{r['system']}/{r['mode']}": r["output_tokens"] == r["expected_tokens"] for r in served}
+    full = {f"{r['system']}/{r['mode']}": r["expected_tokens"] == workload["total_output_tokens"] for r in served}
+    return {"tokens_exact": exact, "covers_whole_workload": full, "all_tokens_exact": all(exact.values())}
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1, default=_jsonable))
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def markdown(report: dict) -> str:
+    """The tables and notes a reader needs; the JSON holds everything."""
+    w, m, c = report["workload"], report["machine"], report["config"]
+    lines = [
+        "# Engine vs. what a user would otherwise run",
+        "",
+        *([f"Command: `{report['command']}`", ""] if report.get("command") else []),
+        f"Workload: {w['num_requests']} requests, seed {w['seed']}; prompt tokens {_range(w['prompt_tokens'])}, "
+        f"output tokens {_range(w['output_tokens'])} ({w['total_output_tokens']} in all, `ignore_eos`); offline = all "
+        f"at t=0, online = Poisson at {w['online_rate_rps']:g} req/s (last arrival {w['online_last_arrival_s']:.1f} s). "
+        f"Mean decode context {w['mean_decode_context_tokens']:g} tokens.",
+        f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, torch threads {m['torch_threads']} for every "
+        f"system, torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; model "
+        f"{c['model'] or 'SmolLM2-135M-Instruct (default)'}, fp32. Load average (1/5/15 min) at start "
+        f"{m['loadavg_at_start']}, at end {m.get('loadavg_at_end')}; above {m['usable_cpus']} means other processes "
+        f"competed for the CPU.",
+        "",
+        "| System | Mode | Requests | Output tokens | Tokens/s | Req/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
+        "| E2E p50 / p99 (s) | Mean batch | Preemptions | KV stored/reserved (waste) | Load avg before/after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        if r["system"] == "ceiling":
+            lines.append(f"| {LABELS['ceiling']} | {r['mode']} | | | {r['output_tokens_per_s']:.1f} | | | "
+                         f"{r['step_s'] * 1e3:.0f} / step | | {r['batch']} (ctx {r['context']}) | | | |")
+            continue
+        kv = r.get("kv")
+        kv_text = f"{kv['stored_per_reserved']:.3f} ({kv['waste_pct']:.1f}%)" if kv else "n/a"
+        ttft = _pair(r["ttft_s_p50"], r["ttft_s_p99"], "{:.2f}") + ("" if r["streams"] else " (=E2E)")
+        lines.append(
+            f"| {LABELS[r['system']]} | {r['mode']} | {r['requests']} | {r['output_tokens']} | "
+            f"{r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.3f} | {ttft} | "
+            f"{_pair(r['itl_ms_p50'], r['itl_ms_p99'], '{:.0f}')} | {_pair(r['e2e_s_p50'], r['e2e_s_p99'], '{:.2f}')} | "
+            f"{_num(r['mean_batch'], '{:.1f}')} | {_num(r['preemptions'], '{}')} | {kv_text} | "
+            f"{r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} |")
+    lines += ["", "Ratios of output tokens/s:", "", "| Mode | " + " | ".join(k for k, *_ in RATIOS) + " |",
+              "|---|" + "---:|" * len(RATIOS)]
+    for mode, ratios in report["ratios"].items():
+        lines.append(f"| {mode} | " + " | ".join(_ratio(ratios[k], k) for k, *_ in RATIOS) + " |")
+    lines += ["", "Targets (offline runs; KV waste on every engine run):", "", "| Target | Wanted | Measured | Met |",
+              "|---|---|---:|---|"]
+    for t in report["targets"]:
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['name']} | {t['target']} | {_ratio(t['value'], t['name'])} | {met} |")
+    checks = report["checks"]
+    lines += ["", f"Token counts exact for every run: {'yes' if checks['all_tokens_exact'] else '**NO**'}.", "",
+              "Notes:", ""]
+    notes: dict[tuple[str, str], list[str]] = {}  # (system, note) -> modes, so a note shared by modes shows once
+    for r in report["runs"]:
+        batch = [f"mean batch = {r['batch_source']}"] if r.get("batch_source") else []
+        for note in [*r.get("notes", []), *batch]:
+            notes.setdefault((r["system"], note), []).append(r["mode"])
+    lines += [f"- {system} ({', '.join(modes)}): {note}" for (system, note), modes in notes.items()]
+    for name, reason in report["skipped"].items():
+        lines.append(f"- {name}: skipped: {reason}")
+    lines += [f"- {k}: {v}" for k, v in report["definitions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _range(stats: dict) -> str:
+    return f"{stats['min']}-{stats['max']} (mean {stats['mean']:g})"
+
+
+def _num(value, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _pair(a, b, fmt: str) -> str:
+    return "n/a" if a is None else f"{fmt.format(a)} / {fmt.format(b)}"
+
+
+def _ratio(value, key: str) -> str:
+    if value is None:
+        return "n/a"
+    if "kv_waste" in key:
+        return f"{value:.2f}%"
+    return f"{value:.0%}" if key in ("engine_vs_ceiling", "server_vs_engine") else f"{value:.2f}x"

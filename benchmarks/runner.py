@@ -1,0 +1,124 @@
+"""Runs every selected system on one workload, one after another in this process, and writes the report.
+
+Each system is built (model loaded, warmed up), run once per mode, then closed before the next is built,
+so no two systems compete for the CPU. A system that cannot start is reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from backend.model_loader import resolve_model_dir
+from benchmarks.ceiling import measure_ceiling
+from benchmarks.config import BenchConfig
+from benchmarks.machine import load_average, machine_info
+from benchmarks.records import summarize
+from benchmarks.report import build_report, markdown, write_json
+from benchmarks.workload import Workload, corpus_text, make_workload
+
+log = logging.getLogger("benchmarks")
+
+
+def _build(name: str, config: BenchConfig, model_dir: str, workload: Workload, pad: int):
+    if name == "naive":
+        from benchmarks.hf_baselines import NaiveSystem
+        return NaiveSystem(config, model_dir, pad)
+    if name == "static":
+        from benchmarks.hf_baselines import StaticSystem
+        return StaticSystem(config, model_dir, pad)
+    if name == "generate_batch":
+        from benchmarks.hf_continuous import GenerateBatchSystem
+        return GenerateBatchSystem(config, model_dir, workload)
+    if name == "engine":
+        from benchmarks.engine_system import EngineSystem
+        return EngineSystem(config)
+    if name == "server":
+        from benchmarks.server_system import ServerSystem
+        return ServerSystem(config)
+    raise ValueError(name)
+
+
+def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
+    """Measures, writes ``report.json``, ``report.md`` and the PNGs into ``config.output_dir``; returns the report.
+
+    Args:
+        command: the command line that asked for this run, recorded in the report.
+    """
+    torch.set_num_threads(config.threads)
+    began = time.perf_counter()
+    machine = machine_info(config.threads)
+    model_dir = str(resolve_model_dir(config.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    workload = make_workload(tokenizer, config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    runs, skipped = [], {}
+
+    for name in [s for s in config.systems if s != "ceiling"]:
+        log.info("%s: starting", name)
+        try:
+            system = _build(name, config, model_dir, workload, pad)
+        except Exception as exc:  # e.g. no tritonserver here: say so and go on
+            skipped[name] = f"could not start: {_one_line(exc)}"
+            log.warning("%s skipped: %s", name, skipped[name])
+            continue
+        try:
+            for mode in config.modes:
+                load_before = load_average()
+                summary = summarize(system.run(workload, mode))
+                summary.update(loadavg_before=load_before, loadavg_after=load_average())
+                runs.append(summary)
+                log.info("%s %s: %.1f tokens/s", name, mode, summary["output_tokens_per_s"])
+        except Exception as exc:  # keep what the other systems measured; the report says what failed
+            log.exception("%s failed", name)
+            skipped[name] = f"failed: {_one_line(exc)}"
+        finally:
+            system.close()
+            del system
+            gc.collect()
+
+        if name == "engine" and "ceiling" in config.systems:  # right after: the same load on the machine
+            runs += _ceilings(config, model_dir, tokenizer, workload, runs)
+    if "ceiling" in config.systems and not any(r["system"] == "ceiling" for r in runs):
+        runs += _ceilings(config, model_dir, tokenizer, workload, runs)
+
+    report = build_report(config.as_dict(), machine, workload.summary(), runs, skipped)
+    report["machine"]["loadavg_at_end"] = load_average()
+    report["command"] = command
+    report["wall_s"] = time.perf_counter() - began
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks.plots import write_plots  # matplotlib only when writing
+    report["files"] = [str(p) for p in [out / "report.json", out / "report.md", *write_plots(report, out)]]
+    write_json(report, out / "report.json")
+    (out / "report.md").write_text(markdown(report))
+    return report
+
+
+def _one_line(exc: Exception) -> str:
+    """The first and last lines of an error (a server's start-up failure carries its whole log)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _ceilings(config: BenchConfig, model_dir: str, tokenizer, workload: Workload, runs: list[dict]) -> list[dict]:
+    """The forward-only ceiling per mode, at our engine's mean batch in that mode (measured once per batch size)."""
+    context = round(workload.mean_decode_context())
+    text_ids = tokenizer.encode(corpus_text()[:20_000])
+    measured: dict[int, dict] = {}
+    out = []
+    for mode in config.modes:
+        engine = next((r for r in runs if r["system"] == "engine" and r["mode"] == mode), None)
+        batch = max(1, round(engine["mean_batch"])) if engine else min(config.num_requests, config.max_num_seqs)
+        if batch not in measured:
+            measured[batch] = measure_ceiling(model_dir, batch, context, config.ceiling_steps, text_ids)
+        source = "our engine's mean batch" if engine else "min(num_requests, max_num_seqs): engine not run"
+        out.append({"system": "ceiling", "mode": mode, **measured[batch],
+                    "notes": [f"batch = {source}; context = workload's mean decode context; median step"]})
+    log.info("ceiling: %s", ", ".join(f"{r['mode']} {r['output_tokens_per_s']:.1f} tokens/s" for r in out))
+    return out

@@ -1,0 +1,141 @@
+"""The benchmark harness: a tiny end-to-end run (tiny random model, no server) gives a complete, consistent
+report; the workload is deterministic; the figures are computed as defined. No speed assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.__main__ import parse_args
+from benchmarks.config import QUICK, BenchConfig
+from benchmarks.records import RequestRecord, SystemRun, summarize
+from benchmarks.workload import make_workload
+
+SYSTEMS = ("naive", "static", "generate_batch", "engine", "ceiling")  # the server has its own tests
+MODES = ("offline", "online")
+
+
+def tiny_config(model_dir: str, output_dir, **overrides) -> BenchConfig:
+    settings = dict(model=model_dir, num_requests=6, seed=3, rate=40.0, systems=SYSTEMS, modes=MODES,
+                    prompt_tokens=(8, 40), short_output=(3, 8), long_output=(16, 24), long_share=0.3,
+                    static_batch=4, naive_max_requests=None, kv_cache_bytes=8 << 20, ceiling_steps=3,
+                    output_dir=str(output_dir), progress=False)
+    return BenchConfig(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir, tmp_path_factory):
+    from benchmarks.runner import run_benchmark
+
+    return run_benchmark(tiny_config(tiny_model_dir, tmp_path_factory.mktemp("bench")))
+
+
+def runs_by(report: dict) -> dict[tuple[str, str], dict]:
+    return {(r["system"], r["mode"]): r for r in report["runs"]}
+
+
+def test_every_system_runs_in_every_mode(report):
+    assert report["skipped"] == {}
+    assert set(runs_by(report)) == {(s, m) for s in SYSTEMS for m in MODES}
+
+
+def test_every_system_produced_exactly_the_workload_tokens(report):
+    total = report["workload"]["total_output_tokens"]
+    assert total == sum(r["output_tokens"] for r in report["workload"]["requests"])
+    for (system, mode), run in runs_by(report).items():
+        if system != "ceiling":
+            assert run["requests"] == report["workload"]["num_requests"], (system, mode)
+            assert run["output_tokens"] == run["expected_tokens"] == total, (system, mode)
+    assert report["checks"]["all_tokens_exact"]
+
+
+def test_figures_are_positive_finite_and_percentiles_ordered(report):
+    def positive(value):
+        return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+    for (system, mode), run in runs_by(report).items():
+        assert positive(run["output_tokens_per_s"]), (system, mode)
+        if system == "ceiling":
+            assert positive(run["step_s"]) and run["batch"] >= 1 and run["context"] >= 1
+            continue
+        assert positive(run["requests_per_s"]) and positive(run["duration_s"]) and positive(run["mean_batch"])
+        names = ["ttft_s", "e2e_s"] + (["itl_ms"] if run["streams"] else [])
+        for name in names:
+            p50, p99 = run[f"{name}_p50"], run[f"{name}_p99"]
+            assert positive(p50) and positive(p99) and p50 <= p99, (system, mode, name, p50, p99)
+        assert run["ttft_s_p50"] <= run["e2e_s_p99"]
+    static = runs_by(report)[("static", "offline")]
+    assert not static["streams"] and static["itl_ms_p50"] is None
+    assert static["ttft_s_p50"] == static["e2e_s_p50"]  # no streaming: the first token comes with the last
+
+
+def test_engine_kv_use_and_ratios(report):
+    for mode in MODES:
+        kv = runs_by(report)[("engine", mode)]["kv"]
+        assert 0 <= kv["waste_pct"] <= 100
+        assert 0 < kv["stored_per_reserved"] <= 1
+        assert kv["stored_tokens"] <= kv["reserved_slots"]
+        assert runs_by(report)[("engine", mode)]["preemptions"] >= 0
+        ratios = report["ratios"][mode]
+        for key in ("engine_vs_static", "engine_vs_generate_batch", "engine_vs_naive", "engine_vs_ceiling"):
+            assert ratios[key] > 0, key
+        assert ratios["server_vs_engine"] is None  # not run here
+    assert {t["name"] for t in report["targets"]} >= {"engine_vs_static", "kv_waste_pct (offline)"}
+
+
+def test_files_are_written_and_agree(report):
+    files = {p.rsplit("/", 1)[-1]: p for p in report["files"]}
+    assert set(files) == {"report.json", "report.md", "throughput.png", "latency_cdf.png", "engine_timeline.png"}
+    on_disk = json.loads(open(files["report.json"]).read())
+    assert on_disk["workload"]["seed"] == 3 and len(on_disk["runs"]) == len(report["runs"])
+    assert on_disk["machine"]["torch_threads"] == report["config"]["threads"]
+    text = open(files["report.md"]).read()
+    for label in ("naive", "static batching", "HF continuous batching", "ours, in process", "ceiling"):
+        assert label in text
+    for name in ("throughput.png", "latency_cdf.png", "engine_timeline.png"):
+        assert open(files[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_is_fixed_by_its_seed(tokenizer, tmp_path):
+    config = tiny_config(None, tmp_path, num_requests=40, prompt_tokens=(16, 256))
+    a, b = make_workload(tokenizer, config), make_workload(tokenizer, config)
+    assert a == b
+    assert make_workload(tokenizer, tiny_config(None, tmp_path, num_requests=40, seed=4)) != a
+    arrivals = a.arrivals("online")
+    assert arrivals[0] == 0 and all(x < y for x, y in zip(arrivals, arrivals[1:]))
+    assert a.arrivals("offline") == [0.0] * 40
+    for r in a.requests:
+        assert tokenizer.encode(r.prompt_text) == list(r.prompt_ids)  # text and ids are the same prompt
+        assert 3 <= r.output_len <= 24
+
+
+def test_summary_follows_the_definitions():
+    records = [RequestRecord(0, 10.0, 3, [10.5, 10.7, 11.0], 11.0, 3),
+               RequestRecord(1, 10.0, 2, [11.5, 12.0], 12.0, 2)]
+    s = summarize(SystemRun("engine", "offline", records, start=10.0, mean_batch=2.0))
+    assert s["output_tokens"] == 5 and s["duration_s"] == pytest.approx(2.0)
+    assert s["output_tokens_per_s"] == pytest.approx(2.5) and s["requests_per_s"] == pytest.approx(1.0)
+    assert s["ttft_s_p50"] == pytest.approx(1.0)  # 0.5 and 1.5
+    assert s["itl_ms_p50"] == pytest.approx(300)  # gaps 200, 300, 500 ms
+    not_streamed = summarize(SystemRun("static", "offline", [RequestRecord(0, 1.0, 4, [], 3.0, 4)], 1.0, streams=False))
+    assert not_streamed["ttft_s_p50"] == not_streamed["e2e_s_p50"] == pytest.approx(2.0)
+    assert not_streamed["itl_ms_p50"] is None
+
+
+def test_command_line():
+    quick = parse_args(["--quick", "--seed", "7", "--systems", "engine,ceiling", "--output-dir", "x"])
+    assert (quick.quick, quick.seed, quick.systems, quick.output_dir) == (True, 7, ("engine", "ceiling"), "x")
+    assert quick.num_requests == QUICK["num_requests"] and quick.short_output == QUICK["short_output"]
+    full = parse_args(["--num-requests", "5", "--rate", "3", "--naive-max-requests", "0"])
+    assert (full.num_requests, full.rate, full.naive_max_requests, full.quick) == (5, 3.0, None, False)
+    with pytest.raises(ValueError):
+        parse_args(["--systems", "engine,nonsense"])
+
+
+def test_busy_mean_counts_only_busy_time():
+    from benchmarks.records import busy_mean
+
+    assert busy_mean([(0, 2), (1, 3), (10, 11)]) == pytest.approx(5 / 4)  # union 0-3 and 10-11
+    assert busy_mean([(0, 1), (0, 1)]) == pytest.approx(2)
