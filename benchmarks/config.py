@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "ceiling")
+SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "ceiling", "prefix_cache")
 MODES = ("offline", "online")
 
 

@@ -142,6 +142,10 @@ def markdown(report: dict) -> str:
     for name, reason in report["skipped"].items():
         lines.append(f"- {name}: skipped: {reason}")
     lines += [f"- {k}: {v}" for k, v in report["definitions"].items()]
+    if "prefix_cache" in report:
+        from benchmarks.prefix_cache import markdown as prefix_markdown
+
+        lines += prefix_markdown(report["prefix_cache"])
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ MODES = ("offline", "online")
 
 
 def tiny_config(model_dir: str, output_dir, **overrides) -> BenchConfig:
-    settings = dict(model=model_dir, num_requests=6, seed=3, rate=40.0, systems=SYSTEMS, modes=MODES,
+    settings = dict(model=model_dir, num_requests=6, seed=3, rate=40.0, systems=(*SYSTEMS, "prefix_cache"), modes=MODES,
                     prompt_tokens=(8, 40), short_output=(3, 8), long_output=(16, 24), long_share=0.3,
                     static_batch=4, naive_max_requests=None, kv_cache_bytes=8 << 20, ceiling_steps=3,
                     output_dir=str(output_dir), progress=False)
@@ -139,3 +140,15 @@ def test_busy_mean_counts_only_busy_time():
 
     assert busy_mean([(0, 2), (1, 3), (10, 11)]) == pytest.approx(5 / 4)  # union 0-3 and 10-11
     assert busy_mean([(0, 1), (0, 1)]) == pytest.approx(2)
+
+
+def test_prefix_cache_section_is_consistent(report):
+    result = report["prefix_cache"]
+    off, on = result["off"], result["on"]
+    requests, prefix = result["workload"]["requests"], result["workload"]["prefix_tokens"]
+    assert off["output_tokens"] == on["output_tokens"] == requests * result["workload"]["max_tokens"]
+    assert off["prefix_cache_hits"] == 0 and off["mean_cached_tokens"] == 0
+    # every request after the first finds the system prompt's full blocks
+    assert on["prefix_cache_hits"] >= (requests - 1) * (prefix // 16) * 16
+    assert result["ttft_p50_speedup"] == pytest.approx(off["ttft_p50_s"] / on["ttft_p50_s"])
+    assert "## Prefix caching" in (Path(report["files"][1])).read_text()
