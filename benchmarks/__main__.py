@@ -14,9 +14,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="small workload, shorter outputs, naive on a subset: about 3 minutes on 2 cores")
-    parser.add_argument("--num-requests", type=int, help="requests in the workload (default 40; quick 16)")
+    parser.add_argument("--num-requests", type=int, help="requests in the workload (default 40; quick 12)")
     parser.add_argument("--seed", type=int, help="workload seed (default 0)")
-    parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 2.0)")
+    parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 3.0)")
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default both)")
     parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")

@@ -73,5 +73,5 @@ class BenchConfig:
 
 # --quick: a small workload with shorter outputs, so the whole run fits in about 3 minutes on 2 cores.
 # The naive baseline runs a subset (its rate is a rate: not extrapolated, the subset is stated).
-QUICK = dict(num_requests=16, rate=2.0, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(64, 128),
-             naive_max_requests=4, ceiling_steps=8)
+QUICK = dict(num_requests=12, rate=3.0, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(48, 96),
+             naive_max_requests=4, ceiling_steps=6)

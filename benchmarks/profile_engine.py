@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.profile_engine [--num-requests N] [--seed S] [--steps K] [--model DIR]``: the benchmark's
 workload is added all at once; steps run unprofiled until every request is admitted (the batch is then at
-its largest), and the next K steps run under cProfile. Prints the split of step time into scheduler, model
+its largest), and the next K steps run under cProfile (``--skip J`` runs J more steps first: the tail). Prints the split of step time into scheduler, model
 runner input preparation, forward, sampler and detokenizer, then the top 15 entries under ``LLMEngine.step``
 by cumulative time and by own time, with their share of step time.
 """
@@ -28,8 +28,9 @@ Key = tuple[str, int, str]  # pstats: (file, line, function)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def profile_engine(config: BenchConfig, steps: int) -> dict:
-    """Profiles ``steps`` engine steps at the largest batch; returns batch sizes, the split and the top entries."""
+def profile_engine(config: BenchConfig, steps: int, skip: int = 0) -> dict:
+    """Profiles ``steps`` engine steps at the largest batch, or ``skip`` steps later (e.g. in the tail of long
+    requests at a small batch); returns the batch sizes, the split and the top entries."""
     torch.set_num_threads(config.threads)
     engine = LLMEngine(engine_config(config))
     workload = make_workload(AutoTokenizer.from_pretrained(resolve_model_dir(config.model)), config)
@@ -38,6 +39,8 @@ def profile_engine(config: BenchConfig, steps: int) -> dict:
     engine.step()
     while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
         engine.step()  # until every request runs and no prefill is left: pure decode at the largest batch
+    for _ in range(skip):
+        engine.step()
     profiler, batches = cProfile.Profile(), []
     for _ in range(steps):
         if not engine.has_unfinished_requests():
@@ -120,10 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_engine", description=__doc__)
     parser.add_argument("--num-requests", type=int, default=BenchConfig.num_requests)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="steps to profile")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="decode steps to run unprofiled first (default 0: profile at the largest batch)")
     parser.add_argument("--model")
     args = parser.parse_args(argv)
-    result = profile_engine(BenchConfig(num_requests=args.num_requests, seed=args.seed, model=args.model), args.steps)
+    result = profile_engine(BenchConfig(num_requests=args.num_requests, seed=args.seed, model=args.model), args.steps, args.skip)
     batches = result["batch_sizes"]
     print(f"{result['steps']} decode steps at batch {min(batches)}-{max(batches)}, "
           f"{result['step_s'] / result['steps'] * 1e3:.1f} ms per step (under cProfile)\n")
