@@ -42,6 +42,7 @@ class AttentionMetadata:
         decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True for keys within each seq_len.
         decode_seq_lens: ``[num_decodes]`` int32, context length including the new token.
         prefills: the multi-token requests, after the decodes.
+        workspace: the model runner's reused gather buffers.
         use_kernels: call the Triton kernels in ``kernels/`` instead of the torch path.
         cu_seqlens_q / seq_lens / block_tables: the whole batch in the kernels' varlen form (kernels only).
     """
@@ -53,6 +54,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor
     decode_seq_lens: torch.Tensor
     prefills: list[PrefillSpan]
+    workspace: GatherWorkspace
     use_kernels: bool = False
     cu_seqlens_q: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
@@ -96,7 +98,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], key_cache, value_cache,
-                                                   meta.decode_block_tables, meta.decode_mask, scale)
+                                                   meta.decode_block_tables, meta.decode_mask, scale,
+                                                   meta.workspace)
     for span in meta.prefills:
         out[span.q_start:span.q_end] = prefill_attention(q[span.q_start:span.q_end], key_cache, value_cache,
                                                          span, scale)
@@ -112,11 +115,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per request, all requests in one batched SDPA call.
+                     block_tables: torch.Tensor, mask: torch.Tensor, scale: float,
+                     workspace: GatherWorkspace) -> torch.Tensor:
+    """One query token per request, requests in groups small enough that their gathered K/V stay in cache.
 
     Grouped-query attention without copying K/V per head: the ``num_heads // num_kv_heads`` query heads
-    that share a KV head become that head's query rows.
+    that share a KV head become that head's query rows. Each group's blocks are gathered into one reused
+    workspace (no fresh allocation per layer: large ones cost a page fault per 4 KiB on every step) and
+    attended at once, while still in the CPU's cache.
 
     Args:
         q: ``[batch, num_heads, head_dim]``; block_tables ``[batch, max_blocks]``; mask ``[batch, 1, 1, keys]``.
@@ -125,12 +131,46 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         ``[batch, num_heads, head_dim]``.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
-    keys = _gather(key_cache, block_tables)  # [batch, num_kv_heads, keys, head_dim]
-    values = _gather(value_cache, block_tables)
+    max_blocks = block_tables.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1:3]
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = torch.empty_like(q)
+    block_bytes = block_size * num_kv_heads * head_dim * key_cache.element_size()
+    group = max(1, min(batch, DECODE_GROUP_BYTES // (max_blocks * block_bytes)))
+    keys_ws = workspace.get(0, key_cache, group * max_blocks)
+    values_ws = workspace.get(1, value_cache, group * max_blocks)
+    for begin in range(0, batch, group):
+        end = min(batch, begin + group)
+        rows = end - begin
+        tables = block_tables[begin:end].reshape(-1)
+        keys = torch.index_select(key_cache, 0, tables, out=keys_ws[: rows * max_blocks])
+        values = torch.index_select(value_cache, 0, tables, out=values_ws[: rows * max_blocks])
+        keys = keys.view(rows, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(rows, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        out[begin:end] = F.scaled_dot_product_attention(q[begin:end], keys, values, attn_mask=mask[begin:end],
+                                                        scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+DECODE_GROUP_BYTES = 4 << 20
+"""Gathered keys per decode group (values as much again): both fit a server CPU's last-level cache. Measured on
+2 cores, 32 MiB L3, decode at batch 256: one gather of the whole batch 610-920 ms a step, 4 MiB groups 545 ms."""
+
+
+class GatherWorkspace:
+    """Reused buffers for gathered blocks, one for keys and one for values; they grow and never shrink.
+    Owned by one model runner (one engine thread), so never shared between concurrent forward passes."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def get(self, which: int, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A ``[>= num_blocks, *like.shape[1:]]`` buffer of ``like``'s dtype and device (``which``: 0 keys, 1 values)."""
+        buffer = self._buffers.get(which)
+        if buffer is None or buffer.shape[0] < num_blocks or buffer.shape[1:] != like.shape[1:]:
+            buffer = torch.empty((num_blocks, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            self._buffers[which] = buffer
+        return buffer
 
 
 def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

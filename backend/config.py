@@ -32,7 +32,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.attention import ATTENTION_NAME, AttentionMetadata, PrefillSpan
+from backend.attention import ATTENTION_NAME, AttentionMetadata, GatherWorkspace, PrefillSpan
 from backend.kv_cache_manager import KVCacheManager, cdiv
 from backend.sampler import Sampler, TokenLogprobs
 from backend.scheduler import SchedulerOutput
@@ -49,6 +49,7 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.use_kernels = use_kernels
         self.sampler = Sampler()
+        self.workspace = GatherWorkspace()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         model.set_attn_implementation(ATTENTION_NAME)
@@ -124,7 +125,7 @@ class ModelRunner:
             kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
             decode_block_tables=block_tables[:num_decodes, :decode_blocks].to(device),
             decode_mask=decode_mask[:, None, None, :].to(device), decode_seq_lens=decode_lens.to(device),
-            prefills=prefills, use_kernels=self.use_kernels)
+            prefills=prefills, workspace=self.workspace, use_kernels=self.use_kernels)
         if self.use_kernels:
             meta.cu_seqlens_q = cu_seqlens.to(device=device, dtype=torch.int32)
             meta.seq_lens = seq_lens.to(device=device, dtype=torch.int32)

@@ -14,7 +14,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="small workload, shorter outputs, naive on a subset: about 3 minutes on 2 cores")
-    parser.add_argument("--num-requests", type=int, help="requests in the workload (default 40; quick 12)")
+    parser.add_argument("--num-requests", type=int, help="requests in the workload (default 256; quick 12)")
     parser.add_argument("--seed", type=int, help="workload seed (default 0)")
     parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 3.0)")
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
@@ -24,17 +24,25 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--static-batch", type=int, help="static batching batch size (default 16)")
     parser.add_argument("--naive-max-requests", type=int,
                         help="run naive on the first N requests only (default 8; quick 4; 0 = all)")
+    parser.add_argument("--static-max-requests", type=int,
+                        help="run static batching on the first N requests only (default 64; quick all; 0 = all)")
+    parser.add_argument("--online-max-requests", type=int,
+                        help="run every system online on the first N requests only (default 64; quick all; 0 = all)")
+    parser.add_argument("--max-num-seqs", type=int, help="our engine's max_num_seqs (default 256)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="our engine's max_num_batched_tokens (default 2048)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
-    for field in ("num_requests", "seed", "rate", "model", "threads", "static_batch", "output_dir"):
+    for field in ("num_requests", "seed", "rate", "model", "threads", "static_batch", "max_num_seqs",
+                  "max_num_batched_tokens", "output_dir"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
-    if args.naive_max_requests is not None:
-        values["naive_max_requests"] = args.naive_max_requests or None
+    for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):
+        if getattr(args, field) is not None:
+            values[field] = getattr(args, field) or None
     if args.systems:
         values["systems"] = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     if args.modes:

@@ -1,9 +1,14 @@
-"""The forward-only ceiling: what the model alone costs per decode step at a given batch and context.
+"""The forward-only ceiling: what the model alone costs per decode step at a given batch and context, and per
+prompt token of a prefill.
 
-Plain transformers forward passes with its own ``DynamicCache``: prefill one row of ``context`` real text
-tokens, repeat that cache to ``batch`` rows (untimed; the values do not change the cost), then time decode
-steps of one token per row. No scheduling, sampling beyond argmax,
-detokenization or padding: an engine at this batch size cannot beat ``batch / step time`` tokens/s.
+Decode: plain transformers forward passes with its own ``DynamicCache``: prefill one row of ``context`` real
+text tokens, repeat that cache to ``batch`` rows (untimed; the values do not change the cost), then time decode
+steps of one token per row. No scheduling, sampling beyond argmax, detokenization or padding: an engine at this
+batch size cannot beat ``batch / step time`` tokens/s in decode.
+
+Prefill: forward passes over ``rows`` equal-length prompts of real text (no padding, logits of the last token
+only), about one step's token budget in all. An engine also computes every prompt token once, so the work-matched
+ceiling of a run is ``output_tokens / (output_tokens / decode tokens/s + prompt_tokens * prefill s/token)``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,34 @@ def measure_ceiling(model_dir: str, batch: int, context: int, steps: int, token_
         if step >= WARMUP_STEPS:
             times.append(time.perf_counter() - begin)
     del model, cache
-    step_s = sorted(times)[len(times) // 2]  # median: robust to other load on the machine
+    step_s = _median(times)
     return {"batch": batch, "context": context, "steps": steps, "step_s": step_s,
             "output_tokens_per_s": batch / step_s}
+
+
+@torch.inference_mode()
+def measure_prefill(model_dir: str, length: int, rows: int, repeats: int, token_ids: list[int]) -> dict:
+    """Prefill cost of the bare model.
+
+    Args:
+        length: tokens per prompt.
+        rows: prompts per forward pass (each a different slice of ``token_ids``).
+        repeats: timed forward passes (after one untimed).
+
+    Returns:
+        ``prefill_length``, ``prefill_rows`` and ``prefill_s_per_token`` (median pass / (rows * length)).
+    """
+    model = load_hf_model(model_dir)
+    ids = torch.tensor([[token_ids[(r * length + i) % len(token_ids)] for i in range(length)] for r in range(rows)])
+    times = []
+    for repeat in range(1 + repeats):
+        begin = time.perf_counter()
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        if repeat:
+            times.append(time.perf_counter() - begin)
+    del model
+    return {"prefill_length": length, "prefill_rows": rows, "prefill_s_per_token": _median(times) / (rows * length)}
+
+
+def _median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]  # robust to other load on the machine

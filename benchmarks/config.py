@@ -26,16 +26,19 @@ class BenchConfig:
         prompt_tokens: (min, max) prompt length in tokens, drawn log-uniformly (long-tailed).
         short_output / long_output: (min, max) output tokens, uniform; ``long_share`` of requests are long.
         static_batch: batch size of the static-batching baseline.
-        naive_max_requests: the naive baseline runs only the first this-many requests (by arrival); None = all.
+        naive_max_requests / static_max_requests: those baselines run only the first this-many requests (by
+            arrival; None = all): their rate does not depend on how many follow (one request, or one batch of
+            ``static_batch``, at a time), and all of them would take an hour.
+        online_max_requests: every system runs only the first this-many requests online (None = all).
         max_num_seqs / max_num_batched_tokens / block_size / kv_cache_bytes: the batching limits and KV pool
             (bytes) given to our engine and, translated, to transformers' continuous batching; they match the
-            server's model ``llm`` version 2.
+            server's model ``llm`` version 2 (its KV pool is 20% of free memory, at most 4 GiB: 4 GiB here).
         ceiling_steps: timed decode steps of the forward-only ceiling.
         output_dir: where the JSON, markdown and PNGs go.
         progress: show tqdm progress bars.
     """
 
-    num_requests: int = 40
+    num_requests: int = 256
     seed: int = 0
     rate: float = 1.0
     systems: tuple[str, ...] = SYSTEMS
@@ -48,10 +51,12 @@ class BenchConfig:
     long_share: float = 0.2
     static_batch: int = 16
     naive_max_requests: int | None = 8
-    max_num_seqs: int = 64
+    static_max_requests: int | None = 64
+    online_max_requests: int | None = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 4 << 30
     ceiling_steps: int = 16
     output_dir: str = "results/bench"
     quick: bool = False
@@ -67,11 +72,17 @@ class BenchConfig:
         if self.num_requests < 1 or self.rate <= 0 or self.threads < 1 or self.static_batch < 1:
             raise ValueError("num_requests, rate, threads and static_batch must be positive")
 
+    def max_requests(self, system: str, mode: str) -> int | None:
+        """How many requests (the first, by arrival) ``system`` runs in ``mode``; None = all."""
+        limits = [{"naive": self.naive_max_requests, "static": self.static_max_requests}.get(system),
+                  self.online_max_requests if mode == "online" else None]
+        return min((n for n in limits if n), default=None)
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 # --quick: a small workload with shorter outputs, so the whole run fits in about 3 minutes on 2 cores.
-# The naive baseline runs a subset (its rate is a rate: not extrapolated, the subset is stated).
+# The naive baseline runs a subset (its rate is a rate: not extrapolated, the subset is stated); the others all 12.
 QUICK = dict(num_requests=12, rate=3.0, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(48, 96),
-             naive_max_requests=4, ceiling_steps=6)
+             naive_max_requests=4, static_max_requests=None, online_max_requests=None, ceiling_steps=6)

@@ -7,6 +7,7 @@ text and ids agree, so systems fed token ids and the server fed text see the sam
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import inspect
@@ -46,6 +47,12 @@ class Workload:
     def arrivals(self, mode: str) -> list[float]:
         """Arrival offsets in seconds: all 0 offline, the Poisson times online."""
         return [0.0 if mode == "offline" else r.online_arrival_s for r in self.requests]
+
+    def head(self, limit: int | None) -> "Workload":
+        """The first ``limit`` requests (by arrival; None = all), as a workload of their own."""
+        if limit is None or limit >= len(self.requests):
+            return self
+        return dataclasses.replace(self, requests=self.requests[:limit])
 
     @property
     def total_output_tokens(self) -> int:

@@ -60,6 +60,13 @@ def test_figures_are_positive_finite_and_percentiles_ordered(report):
         assert positive(run["output_tokens_per_s"]), (system, mode)
         if system == "ceiling":
             assert positive(run["step_s"]) and run["batch"] >= 1 and run["context"] >= 1
+            # the work-matched ceiling: the engine's output at the decode ceiling plus its prompts' prefill
+            work = run["work"]
+            assert work["output_tokens"] == report["workload"]["total_output_tokens"]
+            assert work["prompt_tokens"] == report["workload"]["total_prompt_tokens"]
+            seconds = work["output_tokens"] / run["output_tokens_per_s"] + work["prompt_tokens"] * run["prefill_s_per_token"]
+            assert run["with_prefill_tokens_per_s"] == pytest.approx(work["output_tokens"] / seconds)
+            assert run["with_prefill_tokens_per_s"] < run["output_tokens_per_s"]
             continue
         assert positive(run["requests_per_s"]) and positive(run["duration_s"]) and positive(run["mean_batch"])
         names = ["ttft_s", "e2e_s"] + (["itl_ms"] if run["streams"] else [])
@@ -80,8 +87,10 @@ def test_engine_kv_use_and_ratios(report):
         assert kv["stored_tokens"] <= kv["reserved_slots"]
         assert runs_by(report)[("engine", mode)]["preemptions"] >= 0
         ratios = report["ratios"][mode]
-        for key in ("engine_vs_static", "engine_vs_generate_batch", "engine_vs_naive", "engine_vs_ceiling"):
+        for key in ("engine_vs_static", "engine_vs_generate_batch", "engine_vs_naive", "engine_vs_ceiling",
+                    "engine_vs_ceiling_with_prefill"):
             assert ratios[key] > 0, key
+        assert ratios["engine_vs_ceiling_with_prefill"] > ratios["engine_vs_ceiling"]
         assert ratios["server_vs_engine"] is None  # not run here
     assert {t["name"] for t in report["targets"]} >= {"engine_vs_static", "kv_waste_pct (offline)"}
 
@@ -103,6 +112,8 @@ def test_workload_is_fixed_by_its_seed(tokenizer, tmp_path):
     config = tiny_config(None, tmp_path, num_requests=40, prompt_tokens=(16, 256))
     a, b = make_workload(tokenizer, config), make_workload(tokenizer, config)
     assert a == b
+    head = a.head(5)
+    assert head.requests == a.requests[:5] and head.seed == a.seed and a.head(None) is a and a.head(99) is a
     assert make_workload(tokenizer, tiny_config(None, tmp_path, num_requests=40, seed=4)) != a
     arrivals = a.arrivals("online")
     assert arrivals[0] == 0 and all(x < y for x, y in zip(arrivals, arrivals[1:]))
@@ -129,8 +140,15 @@ def test_command_line():
     quick = parse_args(["--quick", "--seed", "7", "--systems", "engine,ceiling", "--output-dir", "x"])
     assert (quick.quick, quick.seed, quick.systems, quick.output_dir) == (True, 7, ("engine", "ceiling"), "x")
     assert quick.num_requests == QUICK["num_requests"] and quick.short_output == QUICK["short_output"]
-    full = parse_args(["--num-requests", "5", "--rate", "3", "--naive-max-requests", "0"])
+    full = parse_args(["--num-requests", "5", "--rate", "3", "--naive-max-requests", "0", "--max-num-seqs", "32"])
     assert (full.num_requests, full.rate, full.naive_max_requests, full.quick) == (5, 3.0, None, False)
+    assert full.max_num_seqs == 32 and full.static_max_requests == 64
+    # subsets: naive 8, static 64 offline; every system at most 64 online; quick runs all but naive's 4
+    default = parse_args([])
+    assert [default.max_requests(s, "offline") for s in ("naive", "static", "engine")] == [8, 64, None]
+    assert [default.max_requests(s, "online") for s in ("naive", "static", "engine")] == [8, 64, 64]
+    assert parse_args(["--online-max-requests", "0"]).max_requests("engine", "online") is None
+    assert [quick.max_requests(s, "online") for s in ("naive", "static", "engine")] == [4, None, None]
     with pytest.raises(ValueError):
         parse_args(["--systems", "engine,nonsense"])
 
