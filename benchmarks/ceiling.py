@@ -6,6 +6,10 @@ text tokens, repeat that cache to ``batch`` rows (untimed; the values do not cha
 steps of one token per row. No scheduling, sampling beyond argmax, detokenization or padding: an engine at this
 batch size cannot beat ``batch / step time`` tokens/s in decode.
 
+Our engine at the same shape: ``batch`` requests of ``context`` prompt tokens each, prefilled untimed, then whole
+``LLMEngine.step`` calls timed (scheduler, forward, sampler, detokenizer): the engine's own per-step efficiency,
+free of the workload's varying batch size and of prefill.
+
 Prefill: forward passes over ``rows`` equal-length prompts of real text (no padding, logits of the last token
 only), about one step's token budget in all. An engine also computes every prompt token once, so the work-matched
 ceiling of a run is ``output_tokens / (output_tokens / decode tokens/s + prompt_tokens * prefill s/token)``.
@@ -13,11 +17,13 @@ ceiling of a run is ``output_tokens / (output_tokens / decode tokens/s + prompt_
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 from transformers import DynamicCache
 
+from backend import EngineConfig, LLMEngine, SamplingParams
 from benchmarks.hf_baselines import load_hf_model
 
 WARMUP_STEPS = 2
@@ -53,6 +59,38 @@ def measure_ceiling(model_dir: str, batch: int, context: int, steps: int, token_
     step_s = _median(times)
     return {"batch": batch, "context": context, "steps": steps, "step_s": step_s,
             "output_tokens_per_s": batch / step_s}
+
+
+def measure_engine_step(engine_config: EngineConfig, batch: int, context: int, steps: int,
+                        token_ids: list[int]) -> dict:
+    """Decode step time of our engine at the ceiling's batch and context.
+
+    Args:
+        engine_config: the benchmark's engine settings; ``max_num_seqs`` is raised to ``batch`` if lower.
+        batch / context / steps / token_ids: as :func:`measure_ceiling` (each row a different slice of text).
+
+    Returns:
+        ``engine_step_s`` (median seconds per step) and ``engine_output_tokens_per_s``.
+    """
+    config = dataclasses.replace(engine_config, max_num_seqs=max(batch, engine_config.max_num_seqs))
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
+    for row in range(batch):
+        engine.add_request([token_ids[(row * 7 + i) % len(token_ids)] for i in range(context)], params)
+    while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
+        engine.step()  # untimed: admit and prefill every row
+    times = []
+    for step in range(WARMUP_STEPS + steps):
+        begin = time.perf_counter()
+        engine.step()
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - begin)
+    running = engine.stats().num_running
+    engine.shutdown()
+    if running != batch:
+        raise RuntimeError(f"engine step measured at batch {running}, not {batch} (KV pool too small?)")
+    step_s = _median(times)
+    return {"engine_step_s": step_s, "engine_output_tokens_per_s": batch / step_s}
 
 
 @torch.inference_mode()

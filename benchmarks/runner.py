@@ -15,8 +15,9 @@ import torch
 from transformers import AutoTokenizer
 
 from backend.model_loader import resolve_model_dir
-from benchmarks.ceiling import measure_ceiling, measure_prefill
+from benchmarks.ceiling import measure_ceiling, measure_engine_step, measure_prefill
 from benchmarks.config import BenchConfig
+from benchmarks.engine_system import engine_config
 from benchmarks.machine import load_average, machine_info
 from benchmarks.records import summarize
 from benchmarks.report import build_report, markdown, write_json
@@ -131,7 +132,9 @@ def _ceilings(config: BenchConfig, model_dir: str, tokenizer, workload: Workload
         engine = next((r for r in runs if r["system"] == "engine" and r["mode"] == mode), None)
         batch = max(1, round(engine["mean_batch"])) if engine else min(config.num_requests, config.max_num_seqs)
         if batch not in measured:
-            measured[batch] = measure_ceiling(model_dir, batch, context, config.ceiling_steps, text_ids)
+            measured[batch] = {**measure_ceiling(model_dir, batch, context, config.ceiling_steps, text_ids),
+                               **measure_engine_step(engine_config(config), batch, context, config.ceiling_steps,
+                                                     text_ids)}
         decode = measured[batch]
         served = workload.head(config.max_requests("engine", mode))
         outputs = served.total_output_tokens
@@ -142,6 +145,8 @@ def _ceilings(config: BenchConfig, model_dir: str, tokenizer, workload: Workload
                     "work": {"output_tokens": outputs, "prompt_tokens": prompts},
                     "with_prefill_tokens_per_s": outputs / seconds,
                     "notes": [f"batch = {source}; context = workload's mean decode context; median step",
+                              f"our engine's whole step at that batch and context: "
+                              f"{decode['engine_step_s'] * 1e3:.0f} ms",
                               f"with prefill: the engine's {outputs} output tokens at the decode ceiling plus its "
                               f"{prompts} prompt tokens at the bare prefill cost ({prefill['prefill_rows']} rows of "
                               f"{prompt_len} tokens per pass)"]})

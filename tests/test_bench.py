@@ -67,6 +67,7 @@ def test_figures_are_positive_finite_and_percentiles_ordered(report):
             seconds = work["output_tokens"] / run["output_tokens_per_s"] + work["prompt_tokens"] * run["prefill_s_per_token"]
             assert run["with_prefill_tokens_per_s"] == pytest.approx(work["output_tokens"] / seconds)
             assert run["with_prefill_tokens_per_s"] < run["output_tokens_per_s"]
+            assert run["engine_output_tokens_per_s"] == pytest.approx(run["batch"] / run["engine_step_s"])
             continue
         assert positive(run["requests_per_s"]) and positive(run["duration_s"]) and positive(run["mean_batch"])
         names = ["ttft_s", "e2e_s"] + (["itl_ms"] if run["streams"] else [])
@@ -91,6 +92,8 @@ def test_engine_kv_use_and_ratios(report):
                     "engine_vs_ceiling_with_prefill"):
             assert ratios[key] > 0, key
         assert ratios["engine_vs_ceiling_with_prefill"] > ratios["engine_vs_ceiling"]
+        ceiling = runs_by(report)[("ceiling", mode)]
+        assert ratios["engine_step_vs_ceiling_step"] == pytest.approx(ceiling["step_s"] / ceiling["engine_step_s"])
         assert ratios["server_vs_engine"] is None  # not run here
     assert {t["name"] for t in report["targets"]} >= {"engine_vs_static", "kv_waste_pct (offline)"}
 
