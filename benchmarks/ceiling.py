@@ -74,9 +74,11 @@ def measure_engine_step(engine_config: EngineConfig, batch: int, context: int, s
     """
     config = dataclasses.replace(engine_config, max_num_seqs=max(batch, engine_config.max_num_seqs))
     engine = LLMEngine(config)
-    params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
+    prefill_steps = -(-batch * context // config.max_num_batched_tokens)  # rows admitted first decode meanwhile
+    params = SamplingParams(max_tokens=prefill_steps + WARMUP_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
     for row in range(batch):
         engine.add_request([token_ids[(row * 7 + i) % len(token_ids)] for i in range(context)], params)
+    engine.step()  # takes the new requests in
     while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
         engine.step()  # untimed: admit and prefill every row
     times = []
@@ -85,10 +87,12 @@ def measure_engine_step(engine_config: EngineConfig, batch: int, context: int, s
         engine.step()
         if step >= WARMUP_STEPS:
             times.append(time.perf_counter() - begin)
-    running = engine.stats().num_running
+        stats = engine.stats()
+        if stats.last_step_num_scheduled != batch or stats.last_step_num_prefills:
+            engine.shutdown()
+            raise RuntimeError(f"engine step ran {stats.last_step_num_scheduled} requests "
+                               f"({stats.last_step_num_prefills} prefilling), not {batch} decodes")
     engine.shutdown()
-    if running != batch:
-        raise RuntimeError(f"engine step measured at batch {running}, not {batch} (KV pool too small?)")
     step_s = _median(times)
     return {"engine_step_s": step_s, "engine_output_tokens_per_s": batch / step_s}
 
@@ -119,3 +123,36 @@ def measure_prefill(model_dir: str, length: int, rows: int, repeats: int, token_
 
 def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]  # robust to other load on the machine
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.ceiling --batch B --context C [--steps K]``: the bare forward's decode step and our
+    engine's whole step at that shape, side by side (the benchmark's engine settings, default model)."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from backend.model_loader import resolve_model_dir
+    from benchmarks.config import BenchConfig
+    from benchmarks.engine_system import engine_config
+    from benchmarks.workload import corpus_text
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=main.__doc__)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--context", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args(argv)
+    config = BenchConfig()
+    torch.set_num_threads(config.threads)
+    model_dir = str(resolve_model_dir(None))
+    text_ids = AutoTokenizer.from_pretrained(model_dir).encode(corpus_text()[:20_000])
+    bare = measure_ceiling(model_dir, args.batch, args.context, args.steps, text_ids)
+    ours = measure_engine_step(engine_config(config), args.batch, args.context, args.steps, text_ids)
+    print(f"batch {args.batch}, context {args.context}, {config.threads} threads: bare forward "
+          f"{bare['step_s'] * 1e3:.0f} ms/step ({bare['output_tokens_per_s']:.1f} tokens/s), our engine's step "
+          f"{ours['engine_step_s'] * 1e3:.0f} ms ({ours['engine_output_tokens_per_s']:.1f} tokens/s): "
+          f"efficiency {bare['step_s'] / ours['engine_step_s']:.0%} (bare step time / our step time)")
+
+
+if __name__ == "__main__":
+    main()
