@@ -66,6 +66,21 @@ def test_preempted_requests_match_solo_generate(make_engine, tiny_model_dir, tin
     assert stats.kv.used_blocks == 0
 
 
+@pytest.mark.parametrize("group_bytes", [1, 16 << 10])
+def test_decode_in_small_groups_matches_solo_generate(group_bytes, monkeypatch, make_engine, tiny_model_dir,
+                                                      tiny_reference, tokenizer):
+    # Decode attention gathers a group of sequences at a time: force groups of one sequence (1 byte) and of
+    # 8 blocks (16 KiB of 2 KiB blocks: 1-8 sequences by their length), on a pool small enough to preempt, so
+    # groups change shape from step to step.
+    from backend import attention
+
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_bytes)
+    engine = make_engine(tiny_model_dir, num_blocks=14)
+    check_all(engine, tiny_reference, mixed_prompts(tokenizer, [2, 30, 9, 17, 44, 5], seed=2), 28, "groups")
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().kv.used_blocks == 0
+
+
 def test_chunked_prefill_matches_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
     engine = make_engine(tiny_model_dir, max_num_batched_tokens=7)
     prompts = mixed_prompts(tokenizer, [45, 3, 23], seed=3)
