@@ -167,7 +167,8 @@ class GatherWorkspace:
     def get(self, which: int, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """A ``[>= num_blocks, *like.shape[1:]]`` buffer of ``like``'s dtype and device (``which``: 0 keys, 1 values)."""
         buffer = self._buffers.get(which)
-        if buffer is None or buffer.shape[0] < num_blocks or buffer.shape[1:] != like.shape[1:]:
+        if (buffer is None or buffer.shape[0] < num_blocks or buffer.shape[1:] != like.shape[1:]
+                or buffer.dtype != like.dtype or buffer.device != like.device):
             buffer = torch.empty((num_blocks, *like.shape[1:]), dtype=like.dtype, device=like.device)
             self._buffers[which] = buffer
         return buffer

@@ -48,14 +48,24 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if args.modes:
         values["modes"] = tuple(s.strip() for s in args.modes.split(",") if s.strip())
     values["progress"] = not args.no_progress
+    for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):
+        if getattr(args, field) is not None and getattr(args, field) < 0:
+            parser.error(f"--{field.replace('_', '-')} must be >= 0 (0 = all requests)")
     known = {f.name for f in dataclasses.fields(BenchConfig)}
-    return BenchConfig(**{k: v for k, v in values.items() if k in known})
+    try:
+        return BenchConfig(**{k: v for k, v in values.items() if k in known})
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     config = parse_args(argv)
+    if not config.progress:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # its "Loading weights" bars too
     from benchmarks.report import markdown  # torch and transformers load after argument errors are reported
     from benchmarks.runner import run_benchmark
 

@@ -76,23 +76,24 @@ def measure_engine_step(engine_config: EngineConfig, batch: int, context: int, s
     engine = LLMEngine(config)
     prefill_steps = -(-batch * context // config.max_num_batched_tokens)  # rows admitted first decode meanwhile
     params = SamplingParams(max_tokens=prefill_steps + WARMUP_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
-    for row in range(batch):
-        engine.add_request([token_ids[(row * 7 + i) % len(token_ids)] for i in range(context)], params)
-    engine.step()  # takes the new requests in
-    while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
-        engine.step()  # untimed: admit and prefill every row
     times = []
-    for step in range(WARMUP_STEPS + steps):
-        begin = time.perf_counter()
-        engine.step()
-        if step >= WARMUP_STEPS:
-            times.append(time.perf_counter() - begin)
-        stats = engine.stats()
-        if stats.last_step_num_scheduled != batch or stats.last_step_num_prefills:
-            engine.shutdown()
-            raise RuntimeError(f"engine step ran {stats.last_step_num_scheduled} requests "
-                               f"({stats.last_step_num_prefills} prefilling), not {batch} decodes")
-    engine.shutdown()
+    try:
+        for row in range(batch):
+            engine.add_request([token_ids[(row * 7 + i) % len(token_ids)] for i in range(context)], params)
+        engine.step()  # takes the new requests in
+        while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
+            engine.step()  # untimed: admit and prefill every row
+        for step in range(WARMUP_STEPS + steps):
+            begin = time.perf_counter()
+            engine.step()
+            if step >= WARMUP_STEPS:
+                times.append(time.perf_counter() - begin)
+            stats = engine.stats()
+            if stats.last_step_num_scheduled != batch or stats.last_step_num_prefills:
+                raise RuntimeError(f"engine step ran {stats.last_step_num_scheduled} requests "
+                                   f"({stats.last_step_num_prefills} prefilling), not {batch} decodes")
+    finally:
+        engine.shutdown()
     step_s = _median(times)
     return {"engine_step_s": step_s, "engine_output_tokens_per_s": batch / step_s}
 
@@ -142,12 +143,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, required=True)
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args(argv)
+    for name in ("batch", "context", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}")
     config = BenchConfig()
     torch.set_num_threads(config.threads)
     model_dir = str(resolve_model_dir(None))
     text_ids = AutoTokenizer.from_pretrained(model_dir).encode(corpus_text()[:20_000])
+    try:  # ours first: a context the engine rejects (over max_model_len) fails before the long bare prefill
+        ours = measure_engine_step(engine_config(config), args.batch, args.context, args.steps, text_ids)
+    except ValueError as exc:
+        parser.error(str(exc))
     bare = measure_ceiling(model_dir, args.batch, args.context, args.steps, text_ids)
-    ours = measure_engine_step(engine_config(config), args.batch, args.context, args.steps, text_ids)
     print(f"batch {args.batch}, context {args.context}, {config.threads} threads: bare forward "
           f"{bare['step_s'] * 1e3:.0f} ms/step ({bare['output_tokens_per_s']:.1f} tokens/s), our engine's step "
           f"{ours['engine_step_s'] * 1e3:.0f} ms ({ours['engine_output_tokens_per_s']:.1f} tokens/s): "

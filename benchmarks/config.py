@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +70,17 @@ class BenchConfig:
         unknown = set(self.modes) - set(MODES)
         if unknown:
             raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
-        if self.num_requests < 1 or self.rate <= 0 or self.threads < 1 or self.static_batch < 1:
-            raise ValueError("num_requests, rate, threads and static_batch must be positive")
+        if not self.systems or not self.modes:
+            raise ValueError("choose at least one system and one mode")
+        for name in ("num_requests", "threads", "static_batch", "max_num_seqs", "max_num_batched_tokens",
+                     "block_size", "kv_cache_bytes", "ceiling_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (0 < self.rate < math.inf):
+            raise ValueError(f"rate must be a positive finite number of requests/s, got {self.rate}")
+        for name in ("naive_max_requests", "static_max_requests", "online_max_requests"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive (or None: all requests), got {getattr(self, name)}")
 
     def max_requests(self, system: str, mode: str) -> int | None:
         """How many requests (the first, by arrival) ``system`` runs in ``mode``; None = all."""

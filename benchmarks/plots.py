@@ -15,6 +15,8 @@ from benchmarks.report import LABELS  # noqa: E402
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
     runs = report["runs"]
+    if not runs:  # e.g. only prefix_cache was run, or every system failed: the report says so
+        return []
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     paths = [_throughput(runs, modes, out_dir / "throughput.png"), _latency_cdfs(runs, modes, out_dir / "latency_cdf.png")]
     engine_runs = [r for r in runs if r.get("timeline")]

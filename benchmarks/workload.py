@@ -49,7 +49,13 @@ class Workload:
         return [0.0 if mode == "offline" else r.online_arrival_s for r in self.requests]
 
     def head(self, limit: int | None) -> "Workload":
-        """The first ``limit`` requests (by arrival; None = all), as a workload of their own."""
+        """The first ``limit`` requests (by arrival; None = all), as a workload of their own.
+
+        Raises:
+            ValueError: ``limit`` is below 1.
+        """
+        if limit is not None and limit < 1:
+            raise ValueError(f"a workload needs at least one request, got limit {limit}")
         if limit is None or limit >= len(self.requests):
             return self
         return dataclasses.replace(self, requests=self.requests[:limit])

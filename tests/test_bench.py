@@ -117,6 +117,8 @@ def test_workload_is_fixed_by_its_seed(tokenizer, tmp_path):
     assert a == b
     head = a.head(5)
     assert head.requests == a.requests[:5] and head.seed == a.seed and a.head(None) is a and a.head(99) is a
+    with pytest.raises(ValueError):
+        a.head(0)
     assert make_workload(tokenizer, tiny_config(None, tmp_path, num_requests=40, seed=4)) != a
     arrivals = a.arrivals("online")
     assert arrivals[0] == 0 and all(x < y for x, y in zip(arrivals, arrivals[1:]))
@@ -124,6 +126,12 @@ def test_workload_is_fixed_by_its_seed(tokenizer, tmp_path):
     for r in a.requests:
         assert tokenizer.encode(r.prompt_text) == list(r.prompt_ids)  # text and ids are the same prompt
         assert 3 <= r.output_len <= 24
+
+
+def test_a_report_without_table_rows_has_no_plots(tmp_path):
+    from benchmarks.plots import write_plots
+
+    assert write_plots({"runs": []}, tmp_path) == []  # e.g. only prefix_cache ran: report files still written
 
 
 def test_summary_follows_the_definitions():
@@ -152,8 +160,13 @@ def test_command_line():
     assert [default.max_requests(s, "online") for s in ("naive", "static", "engine")] == [8, 64, 64]
     assert parse_args(["--online-max-requests", "0"]).max_requests("engine", "online") is None
     assert [quick.max_requests(s, "online") for s in ("naive", "static", "engine")] == [4, None, None]
-    with pytest.raises(ValueError):
-        parse_args(["--systems", "engine,nonsense"])
+    for bad in (["--systems", "engine,nonsense"], ["--systems", ","], ["--online-max-requests", "-1"],
+                ["--static-max-requests", "-3"], ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "0"],
+                ["--rate", "nan"], ["--rate", "inf"], ["--num-requests", "0"]):
+        with pytest.raises(SystemExit):  # argparse's one-line error, exit status 2
+            parse_args(bad)
+    with pytest.raises(ValueError, match="naive_max_requests"):
+        BenchConfig(naive_max_requests=0)  # None means all; 0 would run nothing
 
 
 def test_busy_mean_counts_only_busy_time():
