@@ -123,7 +123,7 @@ def _ceilings(config: BenchConfig, model_dir: str, tokenizer, workload: Workload
     and the work-matched ceiling of the requests the engine ran in that mode (their prompts prefilled too)."""
     context = round(workload.mean_decode_context())
     text_ids = tokenizer.encode(corpus_text()[:20_000])
-    prompt_len = max(1, round(workload.summary()["prompt_tokens"]["mean"]))
+    prompt_len = max(1, round(workload.total_prompt_tokens / len(workload.requests)))
     prefill = measure_prefill(model_dir, prompt_len, max(1, config.max_num_batched_tokens // prompt_len),
                               config.ceiling_steps // 4 + 1, text_ids)
     measured: dict[int, dict] = {}
@@ -137,8 +137,7 @@ def _ceilings(config: BenchConfig, model_dir: str, tokenizer, workload: Workload
                                                      text_ids)}
         decode = measured[batch]
         served = workload.head(config.max_requests("engine", mode))
-        outputs = served.total_output_tokens
-        prompts = sum(len(r.prompt_ids) for r in served.requests)
+        outputs, prompts = served.total_output_tokens, served.total_prompt_tokens
         seconds = outputs / decode["output_tokens_per_s"] + prompts * prefill["prefill_s_per_token"]
         source = "our engine's mean batch" if engine else "min(num_requests, max_num_seqs): engine not run"
         out.append({"system": "ceiling", "mode": mode, **decode, **prefill,

@@ -64,6 +64,10 @@ class Workload:
     def total_output_tokens(self) -> int:
         return sum(r.output_len for r in self.requests)
 
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_ids) for r in self.requests)
+
     def mean_decode_context(self) -> float:
         """Token-weighted mean context of a decode step, in tokens: output token k of a request with prompt p
         is computed over p + k tokens, k = 0..len-1."""
