@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from backend import EngineConfig, LLMEngine, SamplingParams
+from benchmarks.engine_system import step_until_all_decoding
 from benchmarks.hf_baselines import load_hf_model
 
 WARMUP_STEPS = 2
@@ -80,9 +81,7 @@ def measure_engine_step(engine_config: EngineConfig, batch: int, context: int, s
     try:
         for row in range(batch):
             engine.add_request([token_ids[(row * 7 + i) % len(token_ids)] for i in range(context)], params)
-        engine.step()  # takes the new requests in
-        while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
-            engine.step()  # untimed: admit and prefill every row
+        step_until_all_decoding(engine)  # untimed: admit and prefill every row
         for step in range(WARMUP_STEPS + steps):
             begin = time.perf_counter()
             engine.step()

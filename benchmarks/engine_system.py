@@ -30,6 +30,14 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def step_until_all_decoding(engine: LLMEngine) -> None:
+    """Steps a caller-driven engine (no loop thread) until every added request is admitted and prefilled, so
+    the next step is a pure decode of all of them (requests sit in the inbox until the first step)."""
+    engine.step()
+    while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
+        engine.step()
+
+
 class StepTrace:
     """Per-step samples, taken by the loop thread before each step (so they describe the previous step):
     time (s), requests in that step, running requests, KV blocks used, tokens stored."""

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from backend import LLMEngine
 from backend.model_loader import resolve_model_dir
 from benchmarks.config import BenchConfig
-from benchmarks.engine_system import engine_config, greedy
+from benchmarks.engine_system import engine_config, greedy, step_until_all_decoding
 from benchmarks.workload import make_workload
 
 Key = tuple[str, int, str]  # pstats: (file, line, function)
@@ -36,9 +36,7 @@ def profile_engine(config: BenchConfig, steps: int, skip: int = 0) -> dict:
     workload = make_workload(AutoTokenizer.from_pretrained(resolve_model_dir(config.model)), config)
     for r in workload.requests:
         engine.add_request(list(r.prompt_ids), greedy(r.output_len), request_id=str(r.index))
-    engine.step()
-    while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
-        engine.step()  # until every request runs and no prefill is left: pure decode at the largest batch
+    step_until_all_decoding(engine)  # pure decode at the largest batch from here
     for _ in range(skip):
         engine.step()
     profiler, batches = cProfile.Profile(), []
