@@ -40,10 +40,12 @@ class AttentionMetadata:
         num_decodes: the first ``num_decodes`` packed tokens are single-token queries, one per request.
         decode_block_tables: ``[num_decodes, max_blocks]`` int64.
         decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True for keys within each seq_len.
-        decode_seq_lens: ``[num_decodes]`` int32, context length including the new token.
+        decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the multi-token requests, after the decodes.
         workspace: the model runner's reused gather buffers.
         use_kernels: call the Triton kernels in ``kernels/`` instead of the torch path.
+        cpu_kernel: decodes through the C++ kernel of ``kernels/cpu`` (blocks read in place; the
+            ``decode_block_tables`` then contiguous) instead of gather + SDPA.
         cu_seqlens_q / seq_lens / block_tables: the whole batch in the kernels' varlen form (kernels only).
     """
 
@@ -56,6 +58,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace
     use_kernels: bool = False
+    cpu_kernel: bool = False
     cu_seqlens_q: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
@@ -80,30 +83,47 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta: AttentionMetadata | None = kwargs.get("attention_metadata")
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} needs attention_metadata; run the model through the engine")
-    key_cache, value_cache = meta.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return paged_attention(q, k, v, module.layer_idx, scale, meta).unsqueeze(0), None
 
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Writes this step's K/V of layer ``layer_idx`` into the paged pool and attends over each request's blocks.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]`` (any strides).
+        scale: the softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]``, contiguous.
+    """
+    key_cache, value_cache = meta.kv_caches[layer_idx]
     if meta.use_kernels:
         import kernels
 
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                              meta.cu_seqlens_q, meta.seq_lens, scale)
-        return out.unsqueeze(0), None
+        return kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
+                                               meta.cu_seqlens_q, meta.seq_lens, scale)
 
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
-    if meta.num_decodes:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.num_decodes and meta.cpu_kernel:
+        import kernels.cpu
+
+        kernels.cpu.paged_decode_attention(q[: meta.num_decodes], key_cache, value_cache, meta.decode_block_tables,
+                                           meta.decode_seq_lens, scale, out=out[: meta.num_decodes])
+    elif meta.num_decodes:
         out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], key_cache, value_cache,
                                                    meta.decode_block_tables, meta.decode_mask, scale,
                                                    meta.workspace)
     for span in meta.prefills:
         out[span.q_start:span.q_end] = prefill_attention(q[span.q_start:span.q_end], key_cache, value_cache,
                                                          span, scale)
-    return out.unsqueeze(0), None
+    return out
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -22,8 +22,13 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
         max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit, capped at 8192.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
-        use_kernels: Triton kernels (``kernels/``) for attention; None means on CUDA only.
+        use_kernels: attention through the kernels of ``kernels/``: on CUDA the Triton kernels, on CPU the C++
+            decode kernel (``kernels/cpu``, compiled on first use); None uses them wherever they are available,
+            False never (gather + SDPA), True forces the Triton kernels (under ``TRITON_INTERPRET=1`` on CPU).
         enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before) match.
+        model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
+            transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
+            ``--model-impl``).
     """
 
     model: str | None = None
@@ -38,10 +43,13 @@ class EngineConfig:
     num_threads: int | None = None
     use_kernels: bool | None = None
     enable_prefix_caching: bool = True
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.model_impl not in ("auto", "transformers"):
+            raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _require_positive_int(name, getattr(self, name))
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):

@@ -85,8 +85,11 @@ class LLMEngine:
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
-        use_kernels = config.use_kernels if config.use_kernels is not None else model.device.type == "cuda"
-        self.model_runner = ModelRunner(model, self.kv_cache_manager, use_kernels)
+        on_cuda = model.device.type == "cuda"
+        use_kernels = config.use_kernels if config.use_kernels is not None else on_cuda
+        cpu_kernel = config.use_kernels is None and not on_cuda and _cpu_kernels_available()
+        self.model_runner = ModelRunner(model, self.kv_cache_manager, use_kernels, self.max_model_len,
+                                        compact=config.model_impl == "auto", cpu_kernel=cpu_kernel)
 
         self.before_step: Callable[[], None] | None = None  # called by the loop thread before every step
         self._live: dict[str, _Live] = {}
@@ -334,6 +337,12 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes each)")
         return num_blocks
+
+
+def _cpu_kernels_available() -> bool:
+    import kernels.cpu
+
+    return kernels.cpu.load() is not None
 
 
 def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -6,14 +6,18 @@ the sampled token of every request that reached its last token.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from backend.attention import ATTENTION_NAME, AttentionMetadata, GatherWorkspace, PrefillSpan
 from backend.kv_cache_manager import KVCacheManager, cdiv
+from backend.models import build_decoder
 from backend.sampler import Sampler, TokenLogprobs
 from backend.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,16 +47,22 @@ class ModelRunner:
     The KV cache is, per layer, a key and a value tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache_manager: KVCacheManager, use_kernels: bool) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, kv_cache_manager: KVCacheManager, use_kernels: bool,
+                 max_model_len: int, compact: bool = True, cpu_kernel: bool = False) -> None:
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.use_kernels = use_kernels
+        self.cpu_kernel = cpu_kernel  # decodes through kernels/cpu (reads blocks in place) instead of gather + SDPA
         self.sampler = Sampler()
         self.workspace = GatherWorkspace()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        model.set_attn_implementation(ATTENTION_NAME)
+        # The compact decoder where the architecture allows (fused GEMMs, prepacked weights); else the
+        # unmodified transformers model with paged attention plugged into its AttentionInterface.
+        self.decoder = build_decoder(model, max_model_len) if compact else None
+        self.model = None if self.decoder is not None else model
+        if self.model is not None:
+            model.set_attn_implementation(ATTENTION_NAME)
         num_kv_heads, head_dim = kv_shape(model.config)
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -92,9 +102,13 @@ class ModelRunner:
         meta = self._attention_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
         sample_rows = [i for i, r in enumerate(requests) if starts[i] + counts[i] == r.num_tokens]
         logits_rows = cu_seqlens[1:][sample_rows] - 1
-        logits = self.model(input_ids=torch.tensor([token_ids], device=self.device),
-                            position_ids=positions[None].to(self.device), use_cache=False,
-                            logits_to_keep=logits_rows.to(self.device), attention_metadata=meta).logits[0]
+        input_ids = torch.tensor(token_ids, device=self.device)
+        positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
+        if self.decoder is not None:
+            logits = self.decoder(input_ids, positions, meta, logits_rows)
+        else:
+            logits = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                logits_to_keep=logits_rows, attention_metadata=meta).logits[0]
         if not sample_rows:
             return ModelRunnerOutput({}, {})
         sample_requests = [requests[i] for i in sample_rows]
@@ -125,7 +139,9 @@ class ModelRunner:
             kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
             decode_block_tables=block_tables[:num_decodes, :decode_blocks].to(device),
             decode_mask=decode_mask[:, None, None, :].to(device), decode_seq_lens=decode_lens.to(device),
-            prefills=prefills, workspace=self.workspace, use_kernels=self.use_kernels)
+            prefills=prefills, workspace=self.workspace, use_kernels=self.use_kernels, cpu_kernel=self.cpu_kernel)
+        if self.cpu_kernel:
+            meta.decode_block_tables = meta.decode_block_tables.contiguous()
         if self.use_kernels:
             meta.cu_seqlens_q = cu_seqlens.to(device=device, dtype=torch.int32)
             meta.seq_lens = seq_lens.to(device=device, dtype=torch.int32)

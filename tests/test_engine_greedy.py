@@ -75,7 +75,7 @@ def test_decode_in_small_groups_matches_solo_generate(group_bytes, monkeypatch, 
     from backend import attention
 
     monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_bytes)
-    engine = make_engine(tiny_model_dir, num_blocks=14)
+    engine = make_engine(tiny_model_dir, num_blocks=14, use_kernels=False)  # the gather path
     check_all(engine, tiny_reference, mixed_prompts(tokenizer, [2, 30, 9, 17, 44, 5], seed=2), 28, "groups")
     assert engine.stats().num_preemptions > 0
     assert engine.stats().kv.used_blocks == 0

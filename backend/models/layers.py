@@ -1,0 +1,96 @@
+"""The building blocks of the compact decoder: few, large operations per layer.
+
+On a CPU a decoder step at small batch is bound by the number of operations launched, and at large batch by
+the GEMMs. So, as in vLLM's and nano-vllm's model code: Q, K and V are one GEMM and so are gate and up;
+the residual add happens inside the norm; rotary cos/sin are looked up once per step for all layers. On
+CPU the GEMMs run through oneDNN with weights reordered once at load ("prepacked", what inductor's
+freezing does for vLLM's CPU path): measured here 1.3-2x faster than ``F.linear`` in bf16 at 1-256 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _onednn_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+class Linear(torch.nn.Module):
+    """``y = x W^T + b`` with the weight prepacked for oneDNN on CPU (plain ``F.linear`` elsewhere).
+
+    Args:
+        weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None. Both are kept as given
+            on non-CPU devices; on CPU the weight is reordered into oneDNN's blocked layout once.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.packed = _onednn_available(weight.device)
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(*linears: torch.nn.Linear) -> Linear:
+    """One :class:`Linear` whose output is the concatenation of ``linears``' outputs (fused QKV, gate-up)."""
+    weight = torch.cat([layer.weight for layer in linears], 0)
+    biases = [layer.bias for layer in linears]
+    if all(b is None for b in biases):
+        bias = None
+    else:
+        bias = torch.cat([b if b is not None else weight.new_zeros(layer.weight.shape[0])
+                          for b, layer in zip(biases, linears)])
+    return Linear(weight, bias)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32 as transformers does, with the residual add fused in.
+
+    ``forward(x)`` -> ``norm(x)``; ``forward(x, residual)`` adds ``x`` into ``residual`` in place and returns
+    ``(norm(residual), residual)``, so a layer keeps one residual stream and never allocates a second.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone(), persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * hidden.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), the "rotate half" layout of Llama-family checkpoints.
+
+    Args:
+        x: ``[num_tokens, num_heads, head_dim]`` (any strides); cos / sin: ``[num_tokens, 1, head_dim]``.
+
+    Returns:
+        A new contiguous ``[num_tokens, num_heads, head_dim]`` tensor.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(rotated.mul_(sin), x, cos)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): ``[num_tokens, 2 * d]`` (gate then up) -> ``silu(gate) * up``, ``[num_tokens, d]``."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])

@@ -1,0 +1,124 @@
+"""A compact decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), built from a loaded transformers model.
+
+The same weights and the same arithmetic as transformers' modules, in fewer and larger operations: per layer
+one QKV GEMM, one gate-up GEMM, the residual added inside the norm, and paged attention called directly on
+packed tokens ``[num_tokens, heads, head_dim]`` (no batch dimension, no transposes). nano-vllm's
+``models/qwen3.py`` and vLLM's ``model_executor/models/llama.py`` have this shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.attention import AttentionMetadata, paged_attention
+from backend.models.layers import Linear, RMSNorm, fuse_linears, rotate, silu_and_mul
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+
+
+def unsupported_reason(hf_model, max_model_len: int) -> str | None:
+    """Why the compact decoder cannot run ``hf_model`` exactly (None when it can)."""
+    config = hf_model.config
+    name = type(hf_model).__name__
+    if name not in ARCHITECTURES:
+        return f"architecture {name} is not one of {', '.join(ARCHITECTURES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (getattr(config, "use_sliding_window", True) and window < max_model_len):
+        return f"sliding window {window} < max_model_len {max_model_len}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type}"
+    if getattr(config, "mlp_bias", False):
+        return "MLP bias"
+    return None
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, hf_layer, config, layer_idx: int) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = attn.scaling
+        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
+        self.k_norm = RMSNorm(attn.k_norm.weight, attn.k_norm.variance_epsilon) if hasattr(attn, "k_norm") else None
+        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = Linear(mlp.down_proj.weight)
+        self.input_layernorm = RMSNorm(hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon)
+        self.post_attention_layernorm = RMSNorm(hf_layer.post_attention_layernorm.weight,
+                                                hf_layer.post_attention_layernorm.variance_epsilon)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden.clone()
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        attn = paged_attention(q, k, v, self.layer_idx, self.scale, meta)
+        hidden = self.o_proj(attn.view(num_tokens, q_size))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class LlamaDecoder(torch.nn.Module):
+    """Token ids in, logits of chosen rows out, over the paged KV cache.
+
+    Built from a transformers ``*ForCausalLM`` of :data:`ARCHITECTURES` (check :func:`unsupported_reason`
+    first); the transformers model can be dropped afterwards (its embedding table is shared, not copied).
+    """
+
+    def __init__(self, hf_model, max_model_len: int) -> None:
+        super().__init__()
+        config = hf_model.config
+        inner = hf_model.model
+        self.config = config
+        self.embed_tokens = inner.embed_tokens
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i) for i, layer in enumerate(inner.layers))
+        self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon)
+        self.lm_head = Linear(hf_model.lm_head.weight, getattr(hf_model.lm_head, "bias", None))
+        dtype = self.embed_tokens.weight.dtype
+        device = self.embed_tokens.weight.device
+        with torch.no_grad():  # transformers' own rotary module, so every static rope variant matches exactly
+            positions = torch.arange(max_model_len, device=device)[None]
+            cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
+        self.register_buffer("cos_cache", cos[0].contiguous(), persistent=False)  # [max_model_len, head_dim]
+        self.register_buffer("sin_cache", sin[0].contiguous(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            input_ids / positions: ``[num_tokens]`` int64, the step's packed tokens and their positions.
+            logits_rows: ``[num_logits]`` int64, the packed rows whose logits are wanted.
+
+        Returns:
+            ``[num_logits, vocab_size]`` logits in the model's dtype.
+        """
+        hidden = self.embed_tokens(input_ids)
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        hidden = hidden.index_select(0, logits_rows)
+        hidden, _ = self.norm(hidden, residual.index_select(0, logits_rows))
+        return self.lm_head(hidden)
