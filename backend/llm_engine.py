@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.config import EngineConfig
+from backend.config import EngineConfig, resolve_dtype
 from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache_manager import KVCacheManager, KVCacheUsage
 from backend.model_loader import load_model
@@ -77,7 +77,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model, self.tokenizer = load_model(config.model, config.dtype, config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        model, self.tokenizer = load_model(config.model, self.dtype, config.device)
         self.model_config = model.config
         self.max_model_len = config.max_model_len or min(
             getattr(model.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)

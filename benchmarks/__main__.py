@@ -20,6 +20,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default both)")
     parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="weights and KV cache of every system (default auto: bf16 where the CPU has it)")
     parser.add_argument("--threads", type=int, help="torch threads for every system (default: torch's default)")
     parser.add_argument("--static-batch", type=int, help="static batching batch size (default 16)")
     parser.add_argument("--naive-max-requests", type=int,
@@ -36,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
-    for field in ("num_requests", "seed", "rate", "model", "threads", "static_batch", "max_num_seqs",
+    for field in ("num_requests", "seed", "rate", "model", "dtype", "threads", "static_batch", "max_num_seqs",
                   "max_num_batched_tokens", "output_dir"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "ceiling", "prefix_cache")
+SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "vllm", "ceiling", "prefix_cache")
 MODES = ("offline", "online")
 
 
@@ -23,7 +23,9 @@ class BenchConfig:
         systems / modes: which of :data:`SYSTEMS` and :data:`MODES` to run.
         model: a Hugging Face directory; None is the default SmolLM2-135M-Instruct (the server always serves
             the default, so it is skipped for any other model).
-        threads: torch intra-op threads, the same for every system in this process.
+        threads: torch intra-op threads, the same for every system in this process (and vLLM's OpenMP threads).
+        dtype: of every system's weights and KV cache; ``auto`` as the engine resolves it (bf16 on CPUs with
+            AVX512-BF16 or AMX, else fp32).
         prompt_tokens: (min, max) prompt length in tokens, drawn log-uniformly (long-tailed).
         short_output / long_output: (min, max) output tokens, uniform; ``long_share`` of requests are long.
         static_batch: batch size of the static-batching baseline.
@@ -46,6 +48,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     model: str | None = None
     threads: int = field(default_factory=torch.get_num_threads)
+    dtype: str = "auto"
     prompt_tokens: tuple[int, int] = (16, 256)
     short_output: tuple[int, int] = (16, 64)
     long_output: tuple[int, int] = (256, 512)

@@ -21,7 +21,7 @@ from benchmarks.workload import Workload, sleep_until
 
 def engine_config(config: BenchConfig) -> EngineConfig:
     """The engine settings of the benchmark (those of the server's ``llm`` version 2)."""
-    return EngineConfig(model=config.model, num_threads=config.threads, max_num_seqs=config.max_num_seqs,
+    return EngineConfig(model=config.model, dtype=config.dtype, num_threads=config.threads, max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
                         kv_cache_memory_bytes=config.kv_cache_bytes)
 
@@ -89,6 +89,7 @@ class EngineSystem:
     def run(self, workload: Workload, mode: str) -> SystemRun:
         engine, arrivals = self.engine, workload.arrivals(mode)
         records = {r.index: RequestRecord(r.index, 0.0, r.output_len) for r in workload.requests}
+        first_tokens: dict[int, list[int]] = {r.index: [] for r in workload.requests}
         sink: queue.Queue = queue.Queue()
         trace = StepTrace(engine)
         preempted_before = engine.stats().num_preemptions
@@ -112,6 +113,7 @@ class EngineSystem:
                 now = time.perf_counter()
                 rec = records[int(out.request_id)]
                 rec.token_times += [now] * len(out.token_ids)
+                first_tokens[rec.index] = (first_tokens[rec.index] + out.token_ids)[:16]
                 rec.num_output_tokens = out.num_output_tokens
                 if out.finished:
                     if out.finish_reason != "length":
@@ -127,7 +129,7 @@ class EngineSystem:
         mean_batch, kv, timeline = trace.summary(start)
         return SystemRun("engine", mode, list(records.values()), start, mean_batch=mean_batch,
                          batch_source="requests per engine step", kv=kv, timeline=timeline,
-                         preemptions=engine.stats().num_preemptions - preempted_before)
+                         preemptions=engine.stats().num_preemptions - preempted_before, first_tokens=first_tokens)
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -68,6 +68,7 @@ class SystemRun:
     kv: dict | None = None
     timeline: dict | None = None
     notes: list[str] = field(default_factory=list)
+    first_tokens: dict[int, list[int]] | None = None  # request index -> its first 16 output token ids
 
 
 def summarize(run: SystemRun) -> dict:
@@ -85,7 +86,7 @@ def summarize(run: SystemRun) -> dict:
         **_percentiles("itl_ms", [g * 1e3 for g in gaps]),
         **_percentiles("e2e_s", [r.e2e for r in done]),
         "mean_batch": run.mean_batch, "batch_source": run.batch_source, "preemptions": run.preemptions,
-        "kv": run.kv, "notes": run.notes, "timeline": run.timeline,
+        "kv": run.kv, "notes": run.notes, "timeline": run.timeline, "first_tokens": run.first_tokens,
         "latencies": {"ttft_s": [r.ttft for r in done], "e2e_s": [r.e2e for r in done]},
     }
 

@@ -10,14 +10,15 @@ from benchmarks.config import MODES, SYSTEMS
 
 LABELS = {"naive": "naive (HF generate, 1 at a time)", "static": "static batching (HF generate)",
           "generate_batch": "HF continuous batching", "engine": "ours, in process",
-          "server": "ours via Triton gRPC", "ceiling": "ceiling (forward only)"}
+          "server": "ours via Triton gRPC", "vllm": "vLLM CPU, in process", "ceiling": "ceiling (forward only)"}
 # (key, numerator, denominator, target ratio): output tokens/s of one system over another's, per mode;
 # "system:field" reads another tokens/s field of that system's run.
 RATIOS = (("engine_vs_static", "engine", "static", 4.0), ("engine_vs_generate_batch", "engine", "generate_batch", 3.5),
           ("engine_vs_naive", "engine", "naive", 10.0), ("engine_vs_ceiling", "engine", "ceiling", 0.85),
           ("engine_vs_ceiling_with_prefill", "engine", "ceiling:with_prefill_tokens_per_s", 0.85),
           ("engine_step_vs_ceiling_step", "ceiling:engine_output_tokens_per_s", "ceiling", 0.85),
-          ("server_vs_engine", "server", "engine", 0.90))
+          ("server_vs_engine", "server", "engine", 0.90), ("engine_vs_vllm", "engine", "vllm", 1.2),
+          ("server_vs_vllm", "server", "vllm", 1.2))
 KV_WASTE_TARGET_PCT = 4.0
 DEFINITIONS = {
     "output_tokens_per_s": "useful output tokens (each request's own length) / (last finish - run start)",
@@ -80,7 +81,20 @@ def _checks(runs: list[dict], workload: dict) -> dict:
     served = [r for r in runs if r["system"] != "ceiling"]
     exact = {f"{r['system']}/{r['mode']}": r["output_tokens"] == r["expected_tokens"] for r in served}
     full = {f"{r['system']}/{r['mode']}": r["expected_tokens"] == workload["total_output_tokens"] for r in served}
-    return {"tokens_exact": exact, "covers_whole_workload": full, "all_tokens_exact": all(exact.values())}
+    return {"tokens_exact": exact, "covers_whole_workload": full, "all_tokens_exact": all(exact.values()),
+            "same_first_tokens_as_vllm": _agreement(runs)}
+
+
+def _agreement(runs: list[dict]) -> dict:
+    """Per mode: of the requests both our engine and vLLM ran, how many got the same first 16 greedy tokens."""
+    out = {}
+    for mode in MODES:
+        ours, peer = (next((r.get("first_tokens") for r in runs if r["system"] == s and r["mode"] == mode), None)
+                      for s in ("engine", "vllm"))
+        if ours and peer:
+            common = set(ours) & set(peer)
+            out[mode] = {"requests": len(common), "same": sum(ours[k] == peer[k] for k in common)}
+    return out
 
 
 def write_json(report: dict, path: Path) -> None:
@@ -146,8 +160,11 @@ def markdown(report: dict) -> str:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['name']} | {t['target']} | {_ratio(t['value'], t['name'])} | {met} |")
     checks = report["checks"]
-    lines += ["", f"Token counts exact for every run: {'yes' if checks['all_tokens_exact'] else '**NO**'}.", "",
-              "Notes:", ""]
+    lines += ["", f"Token counts exact for every run: {'yes' if checks['all_tokens_exact'] else '**NO**'}."]
+    for mode, agreement in checks.get("same_first_tokens_as_vllm", {}).items():
+        lines.append(f"Same first 16 greedy tokens as vLLM ({mode}): {agreement['same']} of {agreement['requests']} "
+                     f"requests.")
+    lines += ["", "Notes:", ""]
     notes: dict[tuple[str, str], list[str]] = {}  # (system, note) -> modes, so a note shared by modes shows once
     for r in report["runs"]:
         batch = [f"mean batch = {r['batch_source']}"] if r.get("batch_source") else []

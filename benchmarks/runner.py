@@ -39,6 +39,10 @@ def _build(name: str, config: BenchConfig, model_dir: str, workload: Workload, p
     if name == "engine":
         from benchmarks.engine_system import EngineSystem
         return EngineSystem(config)
+    if name == "vllm":
+        from backend.config import resolve_dtype
+        from benchmarks.vllm_system import VllmSystem
+        return VllmSystem(config, model_dir, resolve_dtype(config.dtype, "cpu"), max_model_len(model_dir))
     if name == "server":
         from benchmarks.server_system import ServerSystem
         return ServerSystem(config)
@@ -110,6 +114,16 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     write_json(report, out / "report.json")
     (out / "report.md").write_text(markdown(report))
     return report
+
+
+def max_model_len(model_dir: str) -> int:
+    """The engine's default for this model (its limit, capped as the engine caps it), given to vLLM too."""
+    from transformers import AutoConfig
+
+    from backend.llm_engine import DEFAULT_MAX_MODEL_LEN
+
+    limit = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+    return min(limit, DEFAULT_MAX_MODEL_LEN)
 
 
 def _one_line(exc: Exception) -> str:

@@ -71,6 +71,7 @@ def make_engine():
 
     def make(model: str, **settings) -> LLMEngine:
         settings.setdefault("num_blocks", 256)
+        settings.setdefault("dtype", "float32")  # compared with transformers' fp32 generate
         engine = LLMEngine(EngineConfig(model=model, **settings))
         engines.append(engine)
         return engine
