@@ -27,8 +27,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import EngineConfig, LLMEngine, RequestOutput
-from serve.metrics import EngineMetrics
 from backend.prompt_limits import check_prompt_bytes
+from serve.metrics import EngineMetrics
 from serve.request_parsing import check_request_id, parse_request
 
 log = logging.getLogger("llm")
