@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.bad_words import bad_words_token_ids
 from backend.config import EngineConfig, resolve_dtype
 from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache_manager import KVCacheManager, KVCacheUsage
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, kv_bytes_per_block
 from backend.outputs import RequestMetrics, RequestOutput
+from backend.prompt_limits import check_prompt_bytes, max_prompt_bytes
 from backend.request import Request, RequestStatus
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
@@ -83,6 +85,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(
             getattr(model.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
@@ -121,8 +124,9 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, invalid UTF-8, token ids outside the vocabulary, a request that can
-                never fit (over ``max_model_len`` or bigger than the whole KV cache), or a duplicate
-                request id. Nothing is queued then; other requests are unaffected.
+                never fit (over ``max_prompt_bytes`` before tokenizing, over ``max_model_len`` after, or
+                bigger than the whole KV cache), or a duplicate request id. Nothing is queued then; other
+                requests are unaffected.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
@@ -134,10 +138,11 @@ class LLMEngine:
         self.scheduler.check_fits(len(prompt_ids), max_tokens)
         sink = sink if sink is not None else queue.Queue()
         unfinished = [params.n]
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         group = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(child_id, prompt_ids, params, self.eos_token_ids, max_tokens, index)
+            request = Request(child_id, prompt_ids, params, self.eos_token_ids, max_tokens, index, bad_words)
             group.append(_Live(request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                                params.stop), sink, request_id, unfinished))
         group[0].request.forks = [live.request for live in group[1:]]
@@ -247,8 +252,8 @@ class LLMEngine:
             self._generation_tokens += 1
             token_id = request.token_ids[-1]
             live.detokenizer.add_token(token_id, check_stop=request.num_output_tokens > request.params.min_tokens)
-            if live.detokenizer.stopped and not request.is_finished:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if live.detokenizer.stopped:
+                self.scheduler.finish_on_stop_string(request)
             logprobs = result.logprobs.get(request.request_id)
             outputs.append(self._emit(live, [token_id], None if logprobs is None else [logprobs]))
         return outputs
@@ -306,6 +311,8 @@ class LLMEngine:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | bytes | list[int]) -> list[int]:
+        if isinstance(prompt, (str, bytes, bytearray)):
+            check_prompt_bytes(prompt, self.max_prompt_bytes, self.max_model_len)
         if isinstance(prompt, (bytes, bytearray)):
             try:
                 prompt = bytes(prompt).decode("utf-8")

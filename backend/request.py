@@ -39,7 +39,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0,
+                 bad_words_token_ids: list[list[int]] | None = None) -> None:
         self.request_id = request_id
         self.index = index  # which of the prompt's n completions (parallel sampling)
         self.params = params
@@ -48,6 +49,7 @@ class Request:
         self.num_computed_tokens = 0
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
+        self.bad_words_token_ids = bad_words_token_ids or []  # params.bad_words, tokenized (backend.bad_words)
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.bad_words import banned_next_tokens
 from backend.request import Request
+
+FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -28,8 +31,11 @@ class Sampler:
     """Turns ``[batch, vocab]`` logits into one token per request.
 
     Order, as in vLLM and transformers' logits processors: penalties (repetition, presence, frequency),
-    min_tokens (EOS and stop_token_ids masked), then greedy argmax, or temperature, top-k, top-p
-    (Holtzman et al. 2020), min-p and a draw. Draws use the exponential race
+    min_tokens (EOS and stop_token_ids masked), bad words (masked), then greedy argmax (temperature below
+    1e-5 included), or temperature, top-k, top-p (Holtzman et al. 2020), min-p and a draw. Logits stay finite
+    for every finite parameter: after the penalties and after the temperature they are clamped to
+    +-``FLOAT_MAX`` (a repetition penalty of 1e-45 or 3e38 would overflow them to +-inf, and inf - inf in the
+    softmax is NaN); only masked tokens are -inf. Draws use the exponential race
     (argmax of p / Exp(1), equivalent to sampling from p) so a batch needs no per-row multinomial; a
     seeded request draws its noise from its own ``torch.Generator``, so its tokens do not depend on what
     shares its batch.
@@ -49,6 +55,7 @@ class Sampler:
 
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_bad_words(logits, requests)
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled_rows:
@@ -79,6 +86,7 @@ class Sampler:
             if output.numel() and (params.presence_penalty or params.frequency_penalty):
                 counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
                 row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+            row.clamp_(-FLOAT_MAX, FLOAT_MAX)
         return logits
 
     @staticmethod
@@ -92,10 +100,20 @@ class Sampler:
         return logits
 
     @staticmethod
+    def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        for i, request in enumerate(requests):
+            if request.bad_words_token_ids:
+                banned = banned_next_tokens(request.token_ids, request.bad_words_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return logits
+
+    @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """``logits`` ``[rows, vocab]`` of non-greedy requests -> ``[rows]`` token ids."""
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-        logits = logits / temperature[:, None]
+        logits = (logits / temperature[:, None]).clamp_(min=-FLOAT_MAX, max=FLOAT_MAX).masked_fill_(
+            logits == float("-inf"), float("-inf"))  # finite, except what was masked before
         top_k = [r.params.top_k for r in requests]
         top_p = [r.params.top_p for r in requests]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):

@@ -7,6 +7,14 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
+# Bounds on what one request may ask the detokenizer and sampler to check every step (cost per token grows
+# with number x length of stop strings), and on what it may make the tokenizer do.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 32
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass
@@ -17,7 +25,8 @@ class SamplingParams:
         n: completions for the prompt (parallel sampling: they share the prompt's KV blocks), 1..16.
         max_tokens: most output tokens; None allows up to ``max_model_len``.
         min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
-        temperature: 0 means greedy; otherwise logits are divided by it.
+        temperature: 0 means greedy, and so does anything below ``GREEDY_TEMPERATURE`` (1e-5, as vLLM),
+            where dividing the logits by it could overflow; otherwise logits are divided by it.
         top_k: keep the k most likely tokens; -1 keeps all.
         top_p: keep the smallest set of tokens whose probability sums to top_p (nucleus, Holtzman et al. 2020).
         min_p: drop tokens less likely than min_p times the most likely one.
@@ -26,8 +35,13 @@ class SamplingParams:
         presence_penalty: subtracted once from tokens already in the output (OpenAI semantics).
         frequency_penalty: subtracted per occurrence in the output (OpenAI semantics).
         seed: a per-request random generator seed: the same seed gives the same tokens whatever shares the batch.
-        stop: strings that end the request; the stop string itself is not returned.
-        stop_token_ids: token ids that end the request (the token is kept in output_ids).
+        stop: strings that end the request; the stop string itself is not returned (at most
+            ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS`` characters).
+        stop_token_ids: token ids that end the request (the token is kept in output_ids; at most
+            ``MAX_STOP_TOKEN_IDS``).
+        bad_words: words never generated (TensorRT-LLM's ``bad_words``, vLLM's ``bad_words``): each is
+            tokenized as given and with a leading space; a token is banned when it would complete one of those
+            token sequences (at most ``MAX_BAD_WORDS`` of at most ``MAX_BAD_WORD_CHARS`` characters).
         ignore_eos: keep generating after the EOS token.
         logprobs: also return the sampled token's log-probability and the top-N alternatives (0..20).
         skip_special_tokens: leave special tokens out of the text.
@@ -49,6 +63,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -56,6 +71,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         _int("n", self.n, low=1, high=16)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, low=1)
@@ -73,10 +90,12 @@ class SamplingParams:
         _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _int("seed", self.seed, low=0, high=2**63 - 1)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        _strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
+        _strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of integers, got {_short(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS}")
         for token_id in self.stop_token_ids:
             _int("stop_token_ids", token_id, low=0)
         _bool("ignore_eos", self.ignore_eos)
@@ -86,7 +105,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: temperature 0 or below ``GREEDY_TEMPERATURE``."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> "SamplingParams":
@@ -98,27 +118,45 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            names = ", ".join(unknown)
+            names = names if len(names) <= 200 else f"{names[:200]}..."
+            raise ValueError(f"unknown sampling parameter(s) {names}; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def _strings(name: str, value: object, max_count: int, max_chars: int) -> None:
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {_short(value)}")
+    if len(value) > max_count:
+        raise ValueError(f"{name} has {len(value)} strings; at most {max_count}")
+    longest = max((len(s) for s in value), default=0)
+    if longest > max_chars:
+        raise ValueError(f"{name} has a string of {longest} characters; at most {max_chars}")
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr() cut to ``limit`` characters: error messages never echo a whole oversized input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, float) and value.is_integer():
         raise ValueError(f"{name} must be an integer, got float {value!r}")
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {_short(value)}")
     _range(name, value, low, high, low_open=False)
 
 
 def _float(name: str, value: object, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
     _range(name, value, low, high, low_open)
 
 
 def _bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {_short(value)}")
 
 
 def _range(name: str, value: float, low: float | None, high: float | None, low_open: bool) -> None:

@@ -155,7 +155,7 @@ class Scheduler:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_token(token_id, now)
             updated.append(request)
-            reason = self._check_stop(request, token_id)
+            reason = stop_status(request, token_id)
             if reason is not None:
                 self.finish_request(request, reason)
         return updated
@@ -171,18 +171,18 @@ class Scheduler:
             self.waiting.appendleft(child)
         request.forks = []
 
-    @staticmethod
-    def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
-        params = request.params
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens <= params.min_tokens:
-            return None
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        return None
+    def finish_on_stop_string(self, request: Request) -> None:
+        """The detokenizer found a stop string ending in the request's last token (after
+        ``update_from_output``, which cannot see text): finish the request, or, when that same token also
+        reached max_tokens and finished it as ``length``, relabel it ``stop`` (its blocks are already free).
+        The decision is :func:`stop_status`'s, as for EOS and stop token ids."""
+        status = stop_status(request, request.token_ids[-1], stop_string_matched=True)
+        if status is None:
+            return
+        if not request.is_finished:
+            self.finish_request(request, status)
+        elif request.status == RequestStatus.FINISHED_LENGTH:
+            request.status = status
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Ends a request (any finished status) and frees its blocks at once; idempotent."""
@@ -200,3 +200,28 @@ class Scheduler:
         self.kv.free(request)
         for child in request.forks:  # never started: they end with their parent
             self.finish_request(child, status)
+
+
+def stop_status(request: Request, token_id: int, stop_string_matched: bool = False) -> RequestStatus | None:
+    """Whether the token just appended ends the request, and why: the one stopping rule.
+
+    vLLM's order: EOS (unless ``ignore_eos``) and ``stop_token_ids``, then a stop string completed by this
+    token, then ``max_tokens``. So a last allowed token that is EOS, a stop token or the end of a stop
+    string finishes with ``stop``, not ``length``. Within ``min_tokens`` only ``max_tokens`` can end it.
+
+    Args:
+        token_id: the token appended last (already in ``request.token_ids``).
+        stop_string_matched: the detokenizer found a stop string ending in this token.
+
+    Returns:
+        ``FINISHED_STOPPED``, ``FINISHED_LENGTH`` or None (keep going).
+    """
+    params = request.params
+    if request.num_output_tokens > params.min_tokens:
+        if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if stop_string_matched:
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

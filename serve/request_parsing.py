@@ -1,8 +1,15 @@
-"""Triton request -> engine request: the inputs and parameters Triton's vLLM and TensorRT-LLM backends use."""
+"""Triton request -> engine request: the inputs and parameters Triton's vLLM and TensorRT-LLM backends use.
+
+Values may arrive typed (input tensors, JSON numbers) or as strings (``{"max_tokens": "100"}``, which
+Triton's vLLM backend sample client and GenAI-Perf's ``--backend vllm`` send in ``sampling_parameters``
+and as request parameters): numeric and boolean strings are parsed, anything else is rejected naming the
+field. TensorRT-LLM backend inputs are mapped onto the same engine parameters (``TRTLLM_INPUTS``).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +23,24 @@ SAMPLING_INPUTS: dict[str, type] = {
     "ignore_eos": bool, "logprobs": int, "n": int,
 }
 FLAG_INPUTS = ("stream", "exclude_input_in_output")
+LIST_INPUTS = ("stop", "stop_token_ids", "bad_words")  # lists (STRING [-1] tensors, JSON arrays)
+
+# TensorRT-LLM backend inputs (names of its tensorrt_llm, tensorrt_llm_bls and ensemble models), with the
+# Python type each must become. Mapped in _apply_trtllm_inputs.
+TRTLLM_INPUTS: dict[str, type] = {
+    "min_length": int, "runtime_top_k": int, "runtime_top_p": float, "random_seed": int,
+    "num_return_sequences": int, "end_id": int, "pad_id": int, "beam_width": int, "return_log_probs": bool,
+    "len_penalty": float, "length_penalty": float, "early_stopping": bool,
+}
+TRTLLM_LIST_INPUTS = ("stop_words", "bad_words")
+
+# Limits checked before parsing (cheap checks before expensive work).
+MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 4  # {"stop": ["..."]} is 2 deep
+MAX_REQUEST_ID_BYTES = 256
+INT32_MAX = 2**31 - 1
+INT32_INPUTS = ("max_tokens", "min_tokens", "top_k", "n", "min_length", "end_id", "pad_id", "beam_width",
+                "num_return_sequences", "runtime_top_k")
 
 
 @dataclass
@@ -26,51 +51,186 @@ class ParsedRequest:
     exclude_input_in_output: bool
 
 
+def check_request_id(request_id: str) -> str:
+    """A client's request id, which Triton echoes in every response and the model in its logs.
+
+    Raises:
+        ValueError: longer than ``MAX_REQUEST_ID_BYTES`` (the message gives its size, not the id).
+    """
+    size = len(request_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request id is {size} bytes; at most {MAX_REQUEST_ID_BYTES}")
+    return request_id
+
+
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object]) -> ParsedRequest:
     """Builds the engine's view of one Triton request.
 
     Sampling values are read, later ones winning, from the request ``parameters`` (Triton's generate
     extension puts a ``"parameters": {...}`` object there), then the ``sampling_parameters`` JSON input,
-    then the named input tensors (``max_tokens``, ``temperature``, ...).
+    then the named input tensors (``max_tokens``, ``temperature``, ..., and the TensorRT-LLM names).
 
     Args:
         inputs: input name -> the tensor's numpy array (STRING inputs as ``object`` arrays of bytes).
         parameters: the request's parameters, decoded from JSON.
 
     Raises:
-        ValueError: a message naming the field: missing ``text_input``, bad JSON, wrong type or range.
+        ValueError: a message naming the field: missing ``text_input``, bad or oversized JSON, a value of the
+            wrong type or out of range (quoting the value sent), ``beam_width`` other than 1.
     """
     if "text_input" not in inputs or inputs["text_input"].size == 0:
         raise ValueError("text_input is required")
     prompt = _text("text_input", _first(inputs["text_input"]))
 
+    scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS}
+    lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
     for key, value in parameters.items():
-        if key in SAMPLING_INPUTS or key in FLAG_INPUTS or key == "stop":
+        if key in scalars or key in FLAG_INPUTS or key in lists:
             values[key] = value
     if "sampling_parameters" in inputs:
-        raw = _first(inputs["sampling_parameters"])
-        try:
-            sampling = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
-        if not isinstance(sampling, dict):
-            raise ValueError("sampling_parameters must be a JSON object")
-        values.update(sampling)
-    for name in (*SAMPLING_INPUTS, *FLAG_INPUTS):
-        if name in inputs:
+        values.update(_sampling_parameters(_first(inputs["sampling_parameters"])))
+    for name in (*scalars, *FLAG_INPUTS):
+        if name in inputs and inputs[name].size:
             values[name] = _first(inputs[name]).item()
-    if "stop" in inputs:
-        values["stop"] = [_text("stop", s) for s in inputs["stop"].reshape(-1)]
+    for name in ("stop", "stop_words", "bad_words"):
+        if name in inputs:
+            values[name] = [_text(name, s) for s in inputs[name].reshape(-1)]
 
     stream = _flag(values.pop("stream", False), "stream")
     exclude = _flag(values.pop("exclude_input_in_output", False), "exclude_input_in_output")
-    for name, kind in SAMPLING_INPUTS.items():
+    for name, kind in scalars.items():
         if name in values and values[name] is not None:
             values[name] = _coerce(name, values[name], kind)
-    if isinstance(values.get("stop"), str):
-        values["stop"] = [values["stop"]]
-    return ParsedRequest(prompt, SamplingParams.from_dict(values), stream, exclude)
+    for name in INT32_INPUTS:  # a request parameter or JSON value can hold more than the INT32 input could
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT32_MAX - 1 <= value <= INT32_MAX:
+            raise ValueError(f"{name} is {value}, beyond the INT32 range of the {name} input (max {INT32_MAX})")
+    for name in ("stop", "stop_words", "bad_words"):
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
+    aliases = _apply_trtllm_inputs(values)
+    try:
+        params = SamplingParams.from_dict(values)
+    except ValueError as exc:
+        message = str(exc)
+        for alias, canonical in aliases.items():  # name the field the client sent
+            if message.startswith(f"{canonical} "):
+                message += f" (sent as {alias})"
+        for name in INT32_INPUTS:
+            if message.startswith(f"{name} ") and name in inputs and _first(inputs[name]).item() < 0:
+                message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
+                            f"Triton's conversion before the model sees it")
+        raise ValueError(message) from None
+    return ParsedRequest(prompt, params, stream, exclude)
+
+
+def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
+    """Rewrites TensorRT-LLM backend inputs in ``values`` as SamplingParams fields, in place.
+
+    - ``min_length`` -> ``min_tokens``; ``num_return_sequences`` -> ``n``; ``runtime_top_p`` -> ``top_p``;
+      ``runtime_top_k`` -> ``top_k`` (0 means off, as in TensorRT-LLM: ``top_k`` -1).
+    - ``random_seed`` (UINT64) -> ``seed``, folded into 63 bits (the same seed always gives the same tokens).
+    - ``stop_words`` -> more ``stop`` strings; ``bad_words`` -> ``bad_words``; empty strings are dropped
+      (TensorRT-LLM clients send ``""`` for none).
+    - ``end_id`` -> the request's end token: generation stops on it (a stop token id) instead of the
+      model's EOS.
+    - ``return_log_probs`` true -> ``logprobs`` 0 (the sampled tokens' log-probabilities are returned as
+      ``output_log_probs`` and ``cum_log_probs``).
+    - ``beam_width`` must be 1: beam search is not implemented. ``len_penalty``/``length_penalty`` and
+      ``early_stopping`` only act on beam search, so at beam width 1 they have no effect, as in
+      TensorRT-LLM; they are checked (a finite number, a boolean) and ignored. ``pad_id`` has no effect:
+      outputs are never padded.
+
+    Returns:
+        alias -> canonical field name, for the aliases that were present (to name them in errors).
+
+    Raises:
+        ValueError: ``beam_width`` other than 1, a non-finite ``len_penalty``, or an alias and its
+            canonical field both given with different values.
+    """
+    aliases: dict[str, str] = {}
+    beam_width = values.pop("beam_width", None)
+    if beam_width is not None and beam_width != 1:
+        raise ValueError(f"beam_width must be 1 (beam search is not supported), got {beam_width!r}")
+    for name in ("len_penalty", "length_penalty"):
+        penalty = values.pop(name, None)
+        if penalty is not None and not (isinstance(penalty, float) and np.isfinite(penalty)):
+            raise ValueError(f"{name} must be a finite number, got {penalty!r}")
+    values.pop("early_stopping", None)
+    pad_id = values.pop("pad_id", None)
+    if pad_id is not None and pad_id < 0:
+        raise ValueError(f"pad_id must be >= 0, got {pad_id}")
+
+    renamed = {"min_length": "min_tokens", "num_return_sequences": "n", "runtime_top_p": "top_p",
+               "runtime_top_k": "top_k", "random_seed": "seed"}
+    for alias, canonical in renamed.items():
+        if values.get(alias) is None:
+            values.pop(alias, None)
+            continue
+        value = values.pop(alias)
+        if alias == "runtime_top_k" and value == 0:
+            value = -1
+        if alias == "random_seed" and isinstance(value, int):
+            if value < 0:
+                raise ValueError(f"random_seed must be >= 0, got {value}")
+            value &= 2**63 - 1
+        if values.get(canonical) is not None and values[canonical] != value:
+            raise ValueError(f"{alias} ({value!r}) and {canonical} ({values[canonical]!r}) disagree; send one")
+        values[canonical] = value
+        aliases[alias] = canonical
+
+    stop_words = values.pop("stop_words", None)
+    if stop_words:
+        values["stop"] = [*(values.get("stop") or []), *(w for w in stop_words if w != "")]
+    if "bad_words" in values and isinstance(values["bad_words"], list):
+        values["bad_words"] = [w for w in values["bad_words"] if w != ""]
+    end_id = values.pop("end_id", None)
+    if end_id is not None:
+        stop_token_ids = values.get("stop_token_ids") or []
+        values["stop_token_ids"] = [*stop_token_ids, end_id] if isinstance(stop_token_ids, list) else stop_token_ids
+        values["ignore_eos"] = True
+        aliases["end_id"] = "stop_token_ids"
+    if values.pop("return_log_probs", False) and values.get("logprobs") is None:
+        values["logprobs"] = 0
+    return aliases
+
+
+def _sampling_parameters(raw: object) -> dict[str, object]:
+    """The ``sampling_parameters`` input: a JSON object, size and nesting checked before decoding."""
+    if isinstance(raw, bytes):
+        size = len(raw)
+    else:
+        raw = str(raw)
+        size = len(raw.encode("utf-8", "surrogatepass"))
+    if size > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise ValueError(f"sampling_parameters is {size} bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}")
+    if not raw:
+        return {}
+    depth = _json_depth(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"sampling_parameters nests {depth} levels deep; at most {MAX_JSON_DEPTH}")
+    try:
+        sampling = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+    if not isinstance(sampling, dict):
+        raise ValueError("sampling_parameters must be a JSON object")
+    return sampling
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def _json_depth(text: str) -> int:
+    """Deepest nesting of ``[`` / ``{`` in JSON text, brackets inside strings left out (linear time: no
+    recursion, so 100,000 levels cost what any 100 kB of text does)."""
+    depth = deepest = 0
+    for match in _BRACKETS.finditer(_JSON_STRING.sub('""', text)):
+        depth += 1 if match.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _first(array: np.ndarray):
@@ -89,19 +249,33 @@ def _text(name: str, value: object) -> str:
 def _flag(value: object, name: str) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ValueError(f"{name} must be true or false, got {_clip(value)}")
 
 
 def _coerce(name: str, value: object, kind: type) -> object:
-    """JSON and numpy values -> the Python type SamplingParams validates (it names the field on error)."""
+    """JSON, numpy and string values -> the Python type SamplingParams validates (it names the field on error).
+
+    Strings are parsed as Triton's vLLM backend does (``"100"`` -> 100, ``"0.1"`` -> 0.1), booleans as
+    ``true``/``false``/``1``/``0`` (where vLLM's ``bool("false")`` would be True). A string that does not
+    parse is rejected naming the field.
+    """
     if isinstance(value, np.generic):
         value = value.item()
+    if kind is bool:
+        return _flag(value, name) if isinstance(value, str) else value
+    if isinstance(value, str):
+        try:
+            value = int(value) if kind is int else float(value)
+        except ValueError:
+            wanted = "an integer" if kind is int else "a number"
+            raise ValueError(f"{name} must be {wanted}, got string {_clip(value)}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is bool and isinstance(value, str):
-        return _flag(value, name)
-    if isinstance(value, str):
-        raise ValueError(f"{name} must be {'a number' if kind is float else kind.__name__}, got string {value!r}")
     return value
+
+
+def _clip(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -244,3 +244,72 @@ def test_background_loop_streams_concurrent_requests(make_engine, tiny_model_dir
         assert len(tokens(outs)) == 8 + i and outs[-1].finish_reason == "length"
     engine.shutdown()
     assert engine.stats().kv.used_blocks == 0
+
+
+# -- finish reasons: one rule (vLLM's order: EOS and stop tokens, then stop strings, then length) -----------
+def test_stop_token_as_the_last_allowed_token_finishes_with_stop(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = [10, 11, 12]
+    greedy = tokens(run_to_completion(engine, {"a": engine.add_request(prompt, SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True), request_id="a")})["a"])
+    outs = run_to_completion(engine, {"b": engine.add_request(prompt, SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, stop_token_ids=[greedy[2]]), request_id="b")})["b"]
+    assert tokens(outs) == greedy and outs[-1].finish_reason == "stop"
+
+
+def test_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    params = dict(temperature=0.0, ignore_eos=True, max_tokens=12)
+    full = text(run_to_completion(engine, {"a": engine.add_request([7, 8, 9], SamplingParams(**params),
+                                                                   request_id="a")})["a"])
+    stop = next(full[-k:] for k in range(2, len(full)) if full.find(full[-k:]) == len(full) - k)
+    outs = run_to_completion(engine, {"b": engine.add_request([7, 8, 9], SamplingParams(**params, stop=[stop]),
+                                                              request_id="b")})["b"]
+    assert text(outs) == full[: -len(stop)] and outs[-1].finish_reason == "stop"
+    assert outs[-1].num_output_tokens == 12
+
+
+def test_bad_words_are_never_generated(make_engine, tiny_model_dir, tokenizer):
+    engine = make_engine(tiny_model_dir)
+    params = dict(temperature=0.0, ignore_eos=True, max_tokens=8)
+    first = tokens(run_to_completion(engine, {"a": engine.add_request([4, 5, 6], SamplingParams(**params),
+                                                                      request_id="a")})["a"])[0]
+    word = tokenizer.decode([first])
+    outs = run_to_completion(engine, {"b": engine.add_request([4, 5, 6], SamplingParams(**params, bad_words=[word]),
+                                                              request_id="b")})["b"]
+    assert first not in tokens(outs) and len(tokens(outs)) == 8
+
+
+# -- input limits ------------------------------------------------------------------------------------------
+def test_oversized_prompt_is_rejected_by_bytes_before_tokenizing(make_engine, tiny_model_dir, monkeypatch):
+    engine = make_engine(tiny_model_dir, max_model_len=512)
+    assert engine.max_prompt_bytes == 511 * 81  # the default tokenizer's longest token: 81 bytes
+    calls = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    for prompt in ("x" * (engine.max_prompt_bytes + 1), "é" * (engine.max_prompt_bytes // 2 + 1),
+                   b"y" * 16_000_000):
+        with pytest.raises(ValueError, match=f"prompt is over {engine.max_prompt_bytes} bytes"):
+            engine.add_request(prompt, SamplingParams(max_tokens=1))
+    assert calls == []
+    engine.add_request("z" * engine.max_prompt_bytes, SamplingParams(max_tokens=1))  # at the bound: tokenized
+    assert len(calls) == 1
+
+
+# -- cancellation ------------------------------------------------------------------------------------------
+def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    running = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), request_id="run")
+    engine.step()
+    waiting = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5), request_id="wait")
+    engine.step()
+    assert engine.stats().num_waiting == 1
+    queries = engine.kv_cache_manager.prefix_cache_queries  # admission looks the prompt up first
+    engine.abort("wait")
+    engine.step()
+    outs = drain(waiting)
+    assert [o.finish_reason for o in outs] == ["abort"] and outs[0].num_output_tokens == 0
+    assert outs[0].metrics.first_token_time is None
+    assert "wait" not in engine.kv_cache_manager.block_tables
+    assert engine.kv_cache_manager.prefix_cache_queries == queries and engine.stats().num_waiting == 0
+    engine.abort("run")
+    run_to_completion(engine, {"run": running})

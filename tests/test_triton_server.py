@@ -119,6 +119,9 @@ BAD_REQUESTS = [
     ({"text_input": "hi", "sampling_parameters": "{not json"}, "sampling_parameters is not valid JSON"),
     ({"text_input": "hi", "sampling_parameters": '{"tempreature": 1}'}, "unknown sampling parameter"),
     ({"text_input": "hi", "parameters": {"top_k": 0}}, "top_k"),
+    ({"text_input": "hi", "stop": ["x"] * 100}, "stop has 100 strings"),
+    ({"text_input": "hi", "sampling_parameters": "[" * 50 + "]" * 50}, "sampling_parameters nests 50 levels"),
+    ({"text_input": "hi", "beam_width": 2}, "beam_width must be 1"),
 ]
 
 

@@ -3,6 +3,12 @@
 ``initialize`` builds the engine and starts its loop thread; ``execute`` validates each request, hands it
 to the engine and returns at once; a sender thread delivers the engine's deltas through each request's
 response sender. Every request gets exactly one response flagged FINAL, however it ends.
+
+Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tokenizing of prompts up to
+``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
+``llm-sender`` (responses, metrics), ``llm-cancel`` (asks each sender ``is_cancelled()`` every
+``CANCEL_SWEEP_S`` and aborts those requests in the engine, which drops a waiting one before it can be
+scheduled), ``llm-watchdog``. The engine loop never calls back into this module.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import EngineConfig, LLMEngine, RequestOutput
+from backend.prompt_limits import check_prompt_bytes
 from serve.metrics import EngineMetrics
-from serve.request_parsing import parse_request
+from serve.request_parsing import check_request_id, parse_request
 
 log = logging.getLogger("llm")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_REFRESH_S = 0.25
 ORPHAN_CHECK_S = 0.5
+CANCEL_SWEEP_S = 0.05
+INLINE_TOKENIZE_BYTES = 64 * 1024  # longer prompts (up to engine.max_prompt_bytes) are tokenized on llm-intake
 
 
 @dataclass
@@ -38,6 +47,8 @@ class _InFlight:
     finished: dict[int, RequestOutput] = field(default_factory=dict)  # completion index -> its last delta
     text: dict[int, list[str]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: bool = False  # send output_log_probs / cum_log_probs
+    log_probs: dict[int, list[float]] = field(default_factory=dict)  # completion index -> per-token logprobs
 
 
 class TritonPythonModel:
@@ -55,10 +66,13 @@ class TritonPythonModel:
         # sender's factory after its FINAL, and asking it then reads freed memory (a server crash).
         self.senders_lock = threading.Lock()
         self.server_pid = os.getppid()
-        self.engine.before_step = self._abort_cancelled
+        self.stopping = threading.Event()
+        self.intake: queue.Queue = queue.Queue()
         self.engine.start()
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self.sender_thread.start()
+        threading.Thread(target=self._intake_loop, name="llm-intake", daemon=True).start()
+        threading.Thread(target=self._cancel_loop, name="llm-cancel", daemon=True).start()
         threading.Thread(target=self._exit_when_orphaned, name="llm-watchdog", daemon=True).start()
 
     def execute(self, requests: list) -> None:
@@ -73,16 +87,19 @@ class TritonPythonModel:
         """Hands one request to the engine; on bad input sends its error response and returns the message."""
         sender = request.get_response_sender()
         try:
+            client_id = check_request_id(request.request_id() or "req")
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"))
-            request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+            request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
-            self.inflight[request_id] = _InFlight(sender, parsed.stream, prefix)
-            try:
-                self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs)
-            except Exception:
-                del self.inflight[request_id]
-                raise
+            state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None)
+            if len(parsed.prompt) > INLINE_TOKENIZE_BYTES // 4:  # may be over INLINE_TOKENIZE_BYTES
+                check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes, self.engine.max_model_len)
+                if len(parsed.prompt.encode("utf-8", "surrogatepass")) > INLINE_TOKENIZE_BYTES:
+                    self.inflight[request_id] = state
+                    self.intake.put((parsed, request_id))
+                    return None
+            self._add(parsed, request_id, state)
             return None
         except ValueError as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -92,18 +109,65 @@ class TritonPythonModel:
             _send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
             return str(exc)
 
+    def _add(self, parsed, request_id: str, state: _InFlight) -> None:
+        """Tokenizes and queues one request in the engine. Raises what ``LLMEngine.add_request`` raises."""
+        self.inflight[request_id] = state
+        try:
+            self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs)
+        except Exception:
+            self.inflight.pop(request_id, None)
+            raise
+
     def finalize(self) -> None:
+        self.stopping.set()
+        self.intake.put(None)
         self.engine.shutdown(timeout=5.0)  # in-flight requests end with finish_reason "abort"
         self.outputs.put(None)
         self.sender_thread.join(timeout=5.0)
 
     # -- threads ------------------------------------------------------------------------------------
-    def _abort_cancelled(self) -> None:
-        """Runs on the engine loop before every step: cancelled or disconnected requests are aborted."""
+    def _intake_loop(self) -> None:
+        """Tokenizes long prompts off Triton's execute thread (the Rust tokenizer releases the GIL), so a
+        short request arriving behind them is queued in the engine at once. Errors found here (too many
+        tokens) reach the client as INVALID_ARG like any other, but Triton cannot count them as failures."""
+        while (item := self.intake.get()) is not None:
+            parsed, request_id = item
+            state = self.inflight.get(request_id)
+            if state is None:
+                continue
+            try:
+                with self.senders_lock:
+                    cancelled = state.sender.is_cancelled()
+                if cancelled:  # gave up while waiting: never tokenized, never queued
+                    raise ValueError("request cancelled before it was queued")
+                self._add(parsed, request_id, state)
+            except ValueError as exc:
+                self._drop(request_id, state, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except Exception as exc:
+                log.exception("request rejected")
+                self._drop(request_id, state, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+
+    def _drop(self, request_id: str, state: _InFlight, message: str, code) -> None:
+        """The error response (FINAL) of a request the engine never took."""
         with self.senders_lock:
-            for request_id, state in list(self.inflight.items()):
-                if state.sender.is_cancelled():
-                    self.engine.abort(request_id)
+            self.inflight.pop(request_id, None)
+            _send_error(state.sender, message, code)
+
+    def _cancel_loop(self) -> None:
+        """Cancelled or disconnected requests are aborted: every ``CANCEL_SWEEP_S``, on this thread (each
+        ``is_cancelled()`` is a round trip to the server). The engine takes aborts before it schedules, so a
+        request cancelled while waiting is dropped without being admitted. A request is aborted again on
+        each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
+        while not self.stopping.wait(CANCEL_SWEEP_S):
+            try:
+                for request_id in list(self.inflight):
+                    with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
+                        state = self.inflight.get(request_id)
+                        cancelled = state is not None and state.sender.is_cancelled()
+                    if cancelled:
+                        self.engine.abort(request_id)
+            except Exception:
+                log.exception("cancellation sweep failed")
 
     def _exit_when_orphaned(self) -> None:
         """This stub serves tritonserver alone: when the server is gone (killed before it could unload the
@@ -146,9 +210,13 @@ class TritonPythonModel:
                 self.inflight.pop(out.request_id, None)
             return
         flags = FINAL if out.done else 0
+        new_log_probs = [lp.logprob for lp in out.logprobs or []]
+        log_probs = state.log_probs.setdefault(out.index, [])
+        log_probs.extend(new_log_probs)
         if state.stream:
             if out.token_ids or out.text or out.finished:
-                state.sender.send(_response([out.text], out.token_ids, [out]), flags=flags)
+                extra = _log_prob_tensors(new_log_probs, [sum(log_probs)]) if state.logprobs else []
+                state.sender.send(_response([out.text], out.token_ids, [out], extra), flags=flags)
             return
         state.text.setdefault(out.index, []).append(out.text)
         state.token_ids.setdefault(out.index, []).extend(out.token_ids)
@@ -158,12 +226,23 @@ class TritonPythonModel:
             order = sorted(state.finished)
             texts = [state.prefix + "".join(state.text.get(i, [])) for i in order]
             ids = [t for i in order for t in state.token_ids.get(i, [])]
-            state.sender.send(_response(texts, ids, [state.finished[i] for i in order]), flags=FINAL)
+            extra = []
+            if state.logprobs:
+                per_index = [state.log_probs.get(i, []) for i in order]
+                extra = _log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index])
+            state.sender.send(_response(texts, ids, [state.finished[i] for i in order], extra), flags=FINAL)
 
 
-def _response(texts: list[str], token_ids: list[int], outs: list[RequestOutput]):
+def _log_prob_tensors(output_log_probs: list[float], cum_log_probs: list[float]) -> list:
+    """TensorRT-LLM's log-probability outputs: each new token's log-probability (natural log, of the
+    model's raw distribution) and, per completion, the sum over all its tokens so far."""
+    return [pb_utils.Tensor("output_log_probs", np.array(output_log_probs, dtype=np.float32)),
+            pb_utils.Tensor("cum_log_probs", np.array(cum_log_probs, dtype=np.float32))]
+
+
+def _response(texts: list[str], token_ids: list[int], outs: list[RequestOutput], extra: list | None = None):
     """One response; with n > 1 completions and stream false, one entry per completion (ids concatenated)."""
-    return pb_utils.InferenceResponse(output_tensors=[
+    return pb_utils.InferenceResponse(output_tensors=[*(extra or []),
         pb_utils.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_)),
         pb_utils.Tensor("output_ids", np.array(token_ids, dtype=np.int64)),
         pb_utils.Tensor("finish_reason", np.array([(o.finish_reason or "").encode() for o in outs], dtype=np.object_)),

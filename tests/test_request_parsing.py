@@ -1,0 +1,130 @@
+"""Triton request parsing: the request shapes of Triton's vLLM and TensorRT-LLM backends' clients, and limits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from serve.request_parsing import MAX_REQUEST_ID_BYTES, check_request_id, parse_request
+
+
+def inputs(prompt: str = "hi", **tensors) -> dict[str, np.ndarray]:
+    out = {"text_input": np.array([prompt.encode()], dtype=np.object_)}
+    for name, value in tensors.items():
+        if isinstance(value, list):
+            out[name] = np.array([v.encode() for v in value], dtype=np.object_)
+        elif isinstance(value, str):
+            out[name] = np.array([value.encode()], dtype=np.object_)
+        elif isinstance(value, bool):
+            out[name] = np.array([value], dtype=np.bool_)
+        elif isinstance(value, float):
+            out[name] = np.array([value], dtype=np.float32)
+        elif name == "random_seed":
+            out[name] = np.array([value], dtype=np.uint64)
+        else:
+            out[name] = np.array([value], dtype=np.int32)
+    return out
+
+
+def test_vllm_sample_client_strings_parse_as_numbers():
+    """samples/client.py of vllm_backend: the same string values in sampling_parameters and as parameters."""
+    sampling = {"temperature": "0.1", "top_p": "0.95", "max_tokens": "100"}
+    parsed = parse_request(inputs(stream=False, sampling_parameters=json.dumps(sampling)), dict(sampling))
+    assert (parsed.params.temperature, parsed.params.top_p, parsed.params.max_tokens) == (0.1, 0.95, 100)
+    assert not parsed.stream
+
+
+def test_genai_perf_vllm_shape_parses_min_and_max_tokens():
+    sampling = json.dumps({"max_tokens": "12", "min_tokens": "12"})
+    parsed = parse_request(inputs(exclude_input_in_output=True, stream=True, sampling_parameters=sampling), {})
+    assert (parsed.params.max_tokens, parsed.params.min_tokens) == (12, 12)
+    assert parsed.stream and parsed.exclude_input_in_output
+
+
+@pytest.mark.parametrize("sampling, expected", [
+    ({"ignore_eos": "false"}, ("ignore_eos", False)),  # vLLM's bool("false") would be True
+    ({"ignore_eos": "TRUE"}, ("ignore_eos", True)),
+    ({"seed": " 7 "}, ("seed", 7)),
+    ({"frequency_penalty": "-1.5"}, ("frequency_penalty", -1.5)),
+    ({"top_k": "-1"}, ("top_k", -1)),
+])
+def test_numeric_and_boolean_strings_are_parsed(sampling, expected):
+    params = parse_request(inputs(sampling_parameters=json.dumps(sampling)), {}).params
+    assert getattr(params, expected[0]) == expected[1]
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"max_tokens": "many"}, "max_tokens must be an integer, got string 'many'"),
+    ({"max_tokens": "1.5"}, "max_tokens must be an integer, got string '1.5'"),
+    ({"temperature": "hot"}, "temperature must be a number, got string 'hot'"),
+    ({"temperature": "nan"}, "temperature must be a finite number"),
+    ({"ignore_eos": "maybe"}, "ignore_eos must be true or false, got 'maybe'"),
+])
+def test_unparseable_strings_are_rejected_by_name(sampling, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs(sampling_parameters=json.dumps(sampling)), {})
+
+
+def test_genai_perf_tensorrtllm_shape_maps_min_length():
+    parsed = parse_request(inputs(max_tokens=20, min_length=20, stream=True), {})
+    assert (parsed.params.max_tokens, parsed.params.min_tokens) == (20, 20)
+
+
+def test_tensorrt_llm_inputs_map_onto_sampling_params():
+    parsed = parse_request(inputs(
+        stop_words=["", "\n\n"], stop=["END"], bad_words=["", "red"], end_id=2, pad_id=0, beam_width=1,
+        return_log_probs=True, num_return_sequences=2, random_seed=2**64 - 1, runtime_top_k=0,
+        runtime_top_p=0.5, len_penalty=1.3, length_penalty=0.7, early_stopping=True, temperature=0.7), {})
+    p = parsed.params
+    assert p.stop == ["END", "\n\n"] and p.bad_words == ["red"]  # empty strings mean none
+    assert p.stop_token_ids == [2] and p.ignore_eos  # end_id replaces the model's EOS
+    assert p.logprobs == 0 and p.n == 2 and p.seed == 2**63 - 1
+    assert p.top_k == -1 and p.top_p == 0.5  # runtime_top_k 0 is off, as in TensorRT-LLM
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (dict(beam_width=4), "beam_width must be 1 \\(beam search is not supported\\), got 4"),
+    (dict(runtime_top_p=0.0), "top_p must be in .* \\(sent as runtime_top_p\\)"),
+    (dict(min_length=30, max_tokens=10), "min_tokens must be <= max_tokens .* \\(sent as min_length\\)"),
+    (dict(num_return_sequences=3, n=2), "num_return_sequences \\(3\\) and n \\(2\\) disagree"),
+    (dict(len_penalty=float("inf")), "len_penalty must be a finite number"),
+    (dict(max_tokens=-1294967296), "wraps around in Triton's conversion"),
+])
+def test_tensorrt_llm_inputs_are_refused_clearly(tensors, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs(**tensors), {})
+
+
+def test_max_tokens_beyond_int32_quotes_the_value_sent():
+    with pytest.raises(ValueError, match="max_tokens is 3000000000, beyond the INT32 range"):
+        parse_request(inputs(), {"max_tokens": 3000000000})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("[" * 100_000 + "]" * 100_000, "sampling_parameters is 200000 bytes; at most 65536"),
+    ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 4"),
+    ('{"stop": ["[[[[[[[[", "{{{{{{{"]}', None),  # brackets inside strings do not count
+])
+def test_sampling_parameters_size_and_depth_are_bounded_before_decoding(raw, message):
+    if message is None:
+        assert parse_request(inputs(sampling_parameters=raw), {}).params.stop == ["[[[[[[[[", "{{{{{{{"]
+        return
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs(sampling_parameters=raw), {})
+
+
+@pytest.mark.parametrize("stop, message", [
+    (["x"] * 33, "stop has 33 strings; at most 32"),
+    (["x" * 257], "stop has a string of 257 characters; at most 256"),
+])
+def test_stop_strings_are_bounded(stop, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs(stop=stop), {})
+
+
+def test_request_id_length_is_bounded_without_echoing_it():
+    assert check_request_id("a" * MAX_REQUEST_ID_BYTES) == "a" * MAX_REQUEST_ID_BYTES
+    with pytest.raises(ValueError, match="^request id is 1048576 bytes; at most 256$"):
+        check_request_id("x" * 2**20)

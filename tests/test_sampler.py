@@ -1,0 +1,71 @@
+"""The sampler at the edges: tiny temperatures, extreme penalties, banned words."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import Request, SamplingParams
+from backend.bad_words import banned_next_tokens
+from backend.sampler import Sampler
+
+VOCAB = 64
+
+
+def request(prompt: list[int], output: list[int] = (), **params) -> Request:
+    r = Request("r", prompt, SamplingParams(**params), eos_token_ids=(0,), max_tokens=100)
+    r.token_ids.extend(output)
+    return r
+
+
+def logits_for(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 5
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_tiny_positive_temperature_is_greedy(temperature):
+    logits = logits_for(4)
+    requests = [request([1, 2, 3], temperature=temperature, seed=i) for i in range(4)]
+    assert requests[0].params.greedy
+    assert Sampler()(logits.clone(), requests).token_ids == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [1e-45, 1e-30, 3e38])
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+def test_extreme_penalties_keep_logits_finite(penalty, temperature):
+    logits = logits_for(1, seed=1)
+    seen = [3, 9, 17]
+    r = request(seen, [5], repetition_penalty=penalty, presence_penalty=2.0, frequency_penalty=-2.0,
+                temperature=temperature, seed=3)
+    penalized = Sampler._apply_penalties(logits.clone(), [r])
+    assert torch.isfinite(penalized).all()
+    token = Sampler()(logits.clone(), [r]).token_ids[0]
+    assert 0 <= token < VOCAB
+    if penalty < 1 and temperature == 0.0:  # positive logits of seen tokens blown up: a seen token wins
+        assert token in [*seen, 5] or logits[0, [*seen, 5]].max() < 0
+
+
+def test_sampling_after_temperature_has_no_nan():
+    logits = torch.full((1, VOCAB), 1e30)
+    logits[0, 7] = 3e38
+    r = request([1], temperature=1e-5, seed=0)
+    for _ in range(5):
+        assert Sampler()(logits.clone(), [r]).token_ids == [7]
+
+
+def test_banned_next_tokens_match_the_tail():
+    sequences = [[5], [7, 8, 9], [2, 4]]
+    assert banned_next_tokens([1, 2, 3], sequences) == [5]
+    assert banned_next_tokens([1, 7, 8], sequences) == [5, 9]
+    assert banned_next_tokens([8], sequences) == [5]
+    assert banned_next_tokens([2], sequences) == [5, 4]
+
+
+def test_bad_words_mask_the_token_that_would_complete_them():
+    logits = logits_for(1, seed=2)
+    best = int(logits.argmax())
+    r = request([1, 2], [6], temperature=0.0)
+    r.bad_words_token_ids = [[6, best]]  # "6 best" is banned: after 6, best may not follow
+    assert Sampler()(logits.clone(), [r]).token_ids[0] != best
+    r.bad_words_token_ids = [[3, best]]  # the tail is 6, not 3: nothing banned
+    assert Sampler()(logits.clone(), [r]).token_ids[0] == best
