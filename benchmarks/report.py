@@ -122,7 +122,7 @@ def markdown(report: dict) -> str:
         f"Mean decode context {w['mean_decode_context_tokens']:g} tokens.",
         f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, torch threads {m['torch_threads']} for every "
         f"system, torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; model "
-        f"{c['model'] or 'SmolLM2-135M-Instruct (default)'}, fp32. Load average (1/5/15 min) at start "
+        f"{c['model'] or 'SmolLM2-135M-Instruct (default)'}, {c.get('dtype', 'auto')} (auto = bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Load average (1/5/15 min) at start "
         f"{m['loadavg_at_start']}, at end {m.get('loadavg_at_end')}; above {m['usable_cpus']} means other processes "
         f"competed for the CPU.",
         "",

@@ -95,10 +95,11 @@ def test_chunked_prefill_matches_solo_generate(make_engine, tiny_model_dir, tiny
         assert_matches_reference(got, want, logits, f"chunked request {i}")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3"])
 def test_other_model_families_match_solo_generate(family, make_engine, tmp_path, tokenizer):
     model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
     engine = make_engine(model_dir, num_blocks=12, max_num_batched_tokens=32)
+    assert type(engine.model_runner.decoder).__name__ == "LlamaDecoder"  # the compact decoder, not transformers'
     prompts = mixed_prompts(tokenizer, [9, 40, 17], seed=4)
     check_all(engine, ReferenceModel(model_dir), prompts, 16, family)
 
@@ -133,3 +134,14 @@ def test_triton_kernel_path_matches_the_torch_path(make_engine, tiny_model_dir, 
     engine = make_engine(tiny_model_dir, use_kernels=True, max_num_batched_tokens=24)
     prompts = mixed_prompts(tokenizer, [3, 30, 17], seed=5)
     check_all(engine, tiny_reference, prompts, 6, "kernels")
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+@pytest.mark.parametrize("use_kernels", [None, False])
+def test_compact_decoder_and_transformers_modules_match_solo_generate(model_impl, use_kernels, make_engine,
+                                                                      tiny_model_dir, tiny_reference, tokenizer):
+    """Both model implementations, with the C++ decode kernel (None, on CPU) and with gather + SDPA (False)."""
+    engine = make_engine(tiny_model_dir, model_impl=model_impl, use_kernels=use_kernels, max_num_batched_tokens=20)
+    assert (engine.model_runner.decoder is None) == (model_impl == "transformers")
+    assert engine.model_runner.cpu_kernel == (use_kernels is None)
+    check_all(engine, tiny_reference, mixed_prompts(tokenizer, [5, 33, 18], seed=9), 20, f"{model_impl}/{use_kernels}")
