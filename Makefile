@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 LOADTEST_ARGS ?=
 
-.PHONY: install serve test test-fast bench loadtest clean
+.PHONY: install serve test test-fast bench bench-peers loadtest clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# Ours against vLLM's CPU build on the same workload (vLLM gets a venv of its own, .venv-vllm, on first use).
+bench-peers: install
+	$(BIN)/python -m benchmarks --systems engine,vllm $(BENCH_ARGS)
 
 loadtest: install
 	$(BIN)/python -m loadtest --host http://localhost:$(HTTP_PORT) --grpc-host localhost:$(GRPC_PORT) \
