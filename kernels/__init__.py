@@ -11,6 +11,7 @@ Cache layout (per layer): key_cache and value_cache, each
 - `paged_prefill_attention`: packed variable-length causal queries (prefill with
   or without a cached prefix, and decodes in the same batch).
 - `reference`: plain PyTorch versions of the three, for testing.
+- `cpu`: the C++ paged decode attention for CPUs (compiled on first use; see kernels/cpu/__init__.py).
 
 Both attention kernels use the online softmax of FlashAttention-2 (Dao, 2023)
 with fp32 accumulation. Importing this package needs no GPU; set
