@@ -39,7 +39,8 @@ class AttentionMetadata:
         slot_mapping: ``[num_tokens]`` int64, the cache slot of each packed token.
         num_decodes: the first ``num_decodes`` packed tokens are single-token queries, one per request.
         decode_block_tables: ``[num_decodes, max_blocks]`` int64.
-        decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True for keys within each seq_len.
+        decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True for keys within each seq_len
+            (None with ``cpu_kernel``, which takes ``decode_seq_lens``).
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the multi-token requests, after the decodes.
         workspace: the model runner's reused gather buffers.
@@ -53,7 +54,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_block_tables: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_mask: torch.Tensor | None
     decode_seq_lens: torch.Tensor
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace

@@ -6,7 +6,6 @@ the sampled token of every request that reached its last token.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +15,6 @@ from backend.kv_cache_manager import KVCacheManager, cdiv
 from backend.models import build_decoder
 from backend.sampler import Sampler, TokenLogprobs
 from backend.scheduler import SchedulerOutput
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,7 +123,10 @@ class ModelRunner:
             num_decodes += 1
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = cdiv(int(decode_lens.max()), bs) if num_decodes else 0
-        decode_mask = torch.arange(decode_blocks * bs)[None, :] < decode_lens[:, None]
+        decode_tables = block_tables[:num_decodes, :decode_blocks]
+        decode_mask = None  # the C++ kernel takes the lengths; gather + SDPA needs a key mask
+        if not self.cpu_kernel:
+            decode_mask = (torch.arange(decode_blocks * bs)[None, :] < decode_lens[:, None])[:, None, None, :]
         prefills = []
         for i in range(num_decodes, len(counts)):
             start, n, seq_len = starts[i], counts[i], starts[i] + counts[i]
@@ -137,11 +137,10 @@ class ModelRunner:
                                         block_tables[i, :cdiv(seq_len, bs)].to(device), mask))
         meta = AttentionMetadata(
             kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
-            decode_block_tables=block_tables[:num_decodes, :decode_blocks].to(device),
-            decode_mask=decode_mask[:, None, None, :].to(device), decode_seq_lens=decode_lens.to(device),
+            decode_block_tables=(decode_tables.contiguous() if self.cpu_kernel else decode_tables).to(device),
+            decode_mask=None if decode_mask is None else decode_mask.to(device),
+            decode_seq_lens=decode_lens.to(device),
             prefills=prefills, workspace=self.workspace, use_kernels=self.use_kernels, cpu_kernel=self.cpu_kernel)
-        if self.cpu_kernel:
-            meta.decode_block_tables = meta.decode_block_tables.contiguous()
         if self.use_kernels:
             meta.cu_seqlens_q = cu_seqlens.to(device=device, dtype=torch.int32)
             meta.seq_lens = seq_lens.to(device=device, dtype=torch.int32)
