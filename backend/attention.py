@@ -3,12 +3,18 @@
 The model computes Q/K/V and RoPE as usual; this function, called once per layer, writes the step's
 K/V into the paged pool through the slot mapping and attends over each request's blocks through its
 block table (PagedAttention, Kwon et al. SOSP 2023, sec. 4.1). transformers' own continuous batching
-registers its attention the same way, so every model family that uses the interface works.
+registers its attention the same way, so every model family that uses the interface works. The compact
+decoder (``backend.models``) calls :func:`paged_attention` directly.
+
+The model runner builds one metadata type per step: :class:`TorchAttentionMetadata` (decodes batched through
+gather + SDPA or the C++ kernel of ``kernels/cpu``, prefills one by one) or :class:`KernelAttentionMetadata`
+(the Triton kernels of ``kernels/``, the whole batch at once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,37 +38,60 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    """Everything a layer needs to read and write the paged KV cache this step.
+    """What every layer needs to write the paged KV cache this step; the model runner builds one of the two
+    subclasses, :class:`TorchAttentionMetadata` or :class:`KernelAttentionMetadata`, never both.
 
     Attributes:
         kv_caches: per layer, (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64, the cache slot of each packed token.
+        use_kernels: True on :class:`KernelAttentionMetadata` (a class constant).
+    """
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor
+    use_kernels: ClassVar[bool] = False
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The torch path: decodes batched (gather + SDPA, or the C++ kernel), then one SDPA per prefill.
+
+    Attributes:
         num_decodes: the first ``num_decodes`` packed tokens are single-token queries, one per request.
-        decode_block_tables: ``[num_decodes, max_blocks]`` int64.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int64 (contiguous with ``cpu_kernel``).
         decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True for keys within each seq_len
             (None with ``cpu_kernel``, which takes ``decode_seq_lens``).
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the multi-token requests, after the decodes.
         workspace: the model runner's reused gather buffers.
-        use_kernels: call the Triton kernels in ``kernels/`` instead of the torch path.
-        cpu_kernel: decodes through the C++ kernel of ``kernels/cpu`` (blocks read in place; the
-            ``decode_block_tables`` then contiguous) instead of gather + SDPA.
-        cu_seqlens_q / seq_lens / block_tables: the whole batch in the kernels' varlen form (kernels only).
+        cpu_kernel: decodes through the C++ kernel of ``kernels/cpu`` (blocks read in place) instead of
+            gather + SDPA.
     """
 
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    slot_mapping: torch.Tensor
     num_decodes: int
     decode_block_tables: torch.Tensor
     decode_mask: torch.Tensor | None
     decode_seq_lens: torch.Tensor
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace
-    use_kernels: bool = False
     cpu_kernel: bool = False
-    cu_seqlens_q: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
+
+
+@dataclass
+class KernelAttentionMetadata(AttentionMetadata):
+    """The Triton kernels of ``kernels/``: the whole batch in varlen form, all int32 as the kernels require.
+
+    Attributes:
+        cu_seqlens_q: ``[num_seqs + 1]`` int32, packed query rows of each request.
+        seq_lens: ``[num_seqs]`` int32, context length of each request after this step.
+        block_tables: ``[num_seqs, max_blocks]`` int32.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    use_kernels: ClassVar[bool] = True
+    cpu_kernel: ClassVar[bool] = False
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,7 +102,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Args:
         query: ``[1, num_heads, num_tokens, head_dim]`` (all scheduled tokens packed, no padding).
         key, value: ``[1, num_kv_heads, num_tokens, head_dim]``.
-        kwargs: must hold ``attention_metadata`` (:class:`AttentionMetadata`).
+        kwargs: must hold ``attention_metadata`` (an :class:`AttentionMetadata` subclass).
 
     Returns:
         ``([1, num_tokens, num_heads, head_dim], None)``.
@@ -98,6 +127,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     Args:
         q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]`` (any strides).
         scale: the softmax scale, usually ``head_dim ** -0.5``.
+        meta: :class:`KernelAttentionMetadata` (Triton kernels) or :class:`TorchAttentionMetadata`.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``, contiguous.

@@ -49,10 +49,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def allocate(self, count: int) -> list[int]:
         """Takes ``count`` free blocks (ref count 1 each), evicting their cached content if any.
 
@@ -103,6 +99,14 @@ class BlockPool:
         if block_hash not in self._cached and block_id not in self._keys:
             self._cached[block_hash] = block_id
             self._keys[block_id] = (block_hash, key)
+
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Forgets the content of these blocks (their K/V cannot be trusted, e.g. a forward pass failed
+        after they were registered); they stay allocated or free as they were."""
+        for block_id in block_ids:
+            entry = self._keys.pop(block_id, None)
+            if entry is not None:
+                del self._cached[entry[0]]
 
     def _evict(self, block_id: int) -> None:
         entry = self._keys.pop(block_id, None)

@@ -1,16 +1,19 @@
 """Per-request block tables over the block pool (vLLM v1's KVCacheManager): allocation as tokens grow,
-prefix-cache hits, forks for parallel sampling with copy-on-write, and freeing."""
+prefix-cache hits (blocks registered at allocation, so a request admitted in the same step can share them),
+and freeing.
+
+The manager keeps its own per-request state (block table, memoized block hashes, how many blocks are
+registered in the prefix cache) keyed by request id; it reads a :class:`Request`'s tokens and counters
+and writes none of its fields. The scheduler asks it questions through its methods only.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.block_pool import BlockPool
+from backend.block_pool import BlockKey, BlockPool
 from backend.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from backend.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,13 @@ class KVCacheManager:
 
     A block table lists a request's block ids in token order: token i lives in block
     ``table[i // block_size]`` at offset ``i % block_size`` (its slot is ``block_id * block_size + offset``).
+
+    Prefix caching (vLLM's automatic prefix caching): a full block is registered under a hash of its
+    tokens and of everything before it when it is allocated; its K/V are written by the forward pass of
+    that same step, before any layer reads them, so a request admitted in the same step may already
+    share it. A request with a ``cache_salt`` hashes the salt into its first block: it shares only with
+    requests of the same salt, and it does so even when prefix caching is off (the completions of one
+    ``n`` > 1 request share their prompt that way).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -43,8 +53,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = pool or BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) block ids, copy before the forward
-        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self._block_hashes: dict[str, list[tuple[bytes, BlockKey]]] = {}  # memo: tokens never change
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the prefix cache
+        self.prefix_cache_queries = 0  # prompt tokens looked up (only with prefix caching on)
         self.prefix_cache_hits = 0  # of which found cached
 
     @property
@@ -54,11 +65,18 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (empty when it holds no blocks)."""
+        return list(self.block_tables.get(request_id, ()))
+
     # -- prefix caching -----------------------------------------------------------------------------
+    def _caches(self, request: Request) -> bool:
+        return self.enable_prefix_caching or request.cache_salt is not None
+
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of leading full blocks of the request already cached, leaving at least the last
-        token to compute (its logits are needed). Empty when prefix caching is off."""
-        if not self.enable_prefix_caching:
+        token to compute (its logits are needed). Empty when prefix caching is off (and no salt)."""
+        if not self._caches(request):
             return []
         hits = []
         for i in range((request.num_tokens - 1) // self.block_size):
@@ -67,33 +85,37 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
         return hits
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Registers the request's blocks that are full of computed tokens, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Registers the request's blocks that ``num_tokens`` tokens fill, so later requests can reuse them."""
+        if not self._caches(request):
             return
-        table = self.block_tables.get(request.request_id, ())
-        for i in range(request.num_cached_blocks, min(request.num_computed_tokens // self.block_size, len(table))):
+        table = self.block_tables[request.request_id]
+        done = self._num_cached_blocks.get(request.request_id, 0)
+        full = min(num_tokens // self.block_size, len(table))
+        for i in range(done, full):
             block_hash, key = self._block_hash(request, i)
             self.pool.cache(table[i], block_hash, key)
-        request.num_cached_blocks = max(request.num_cached_blocks, request.num_computed_tokens // self.block_size)
+        self._num_cached_blocks[request.request_id] = max(done, full)
 
-    def _block_hash(self, request: Request, index: int) -> tuple[bytes, tuple]:
-        """Hash and key of the request's ``index``-th full block, memoized on the request (tokens never change)."""
-        hashes = request.block_hashes
+    def _block_hash(self, request: Request, index: int) -> tuple[bytes, BlockKey]:
+        """Hash and key of the request's ``index``-th full block (the salt, if any, is the first block's parent)."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[-1][0] if hashes else None
+            parent = hashes[-1][0] if hashes else (request.cache_salt.encode() if request.cache_salt else None)
             tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append((self.pool.hash_fn(parent, tokens), (parent, tokens)))
         return hashes[index]
 
     # -- allocation -----------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
-        """Makes room for ``num_new_tokens`` more computed tokens of ``request``.
+        """Makes room for ``num_new_tokens`` more computed tokens of ``request`` and registers the blocks
+        they fill in the prefix cache.
 
         Args:
             computed_blocks: prefix-cache hits to put at the head of a new request's table (from
@@ -101,49 +123,38 @@ class KVCacheManager:
 
         Returns:
             False, with nothing changed, when the pool has too few free blocks.
-
-        A write into a block that other requests share (a fork's last prompt block) first copies it
-        (copy-on-write, PagedAttention sec. 4.4); the copy is queued in ``pending_copies``.
         """
         computed_blocks = computed_blocks or []
         table = self.block_tables.get(request.request_id, [])
         first = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        index = first // self.block_size
-        copy_on_write = index < len(table) and self.pool.ref_counts[table[index]] > 1
         new_blocks = cdiv(first + num_new_tokens, self.block_size) - len(table) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)  # free now, in use after
-        if max(new_blocks, 0) + copy_on_write + revived > self.pool.num_free_blocks:
+        if max(new_blocks, 0) + revived > self.pool.num_free_blocks:
             return False
         self.pool.touch(computed_blocks)
         table = self.block_tables.setdefault(request.request_id, table)
         table.extend(computed_blocks)
-        if copy_on_write:
-            (copy,) = self.pool.allocate(1)
-            self.pending_copies.append((table[index], copy))
-            self.pool.free([table[index]])
-            table[index] = copy
         if new_blocks > 0:
             table.extend(self.pool.allocate(new_blocks))
+        self._cache_full_blocks(request, first + num_new_tokens)
         return True
 
-    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
-        """Shares the parent's blocks for its first ``num_tokens`` tokens with ``child`` (parallel sampling)."""
-        shared = self.block_tables[parent.request_id][: self.blocks_for_tokens(num_tokens)]
-        self.pool.touch(shared)
-        self.block_tables[child.request_id] = list(shared)
+    def free(self, request: Request, uncache: bool = False) -> None:
+        """Returns all of the request's blocks to the pool (a no-op when it holds none).
 
-    def free(self, request: Request) -> None:
-        """Returns all of the request's blocks to the pool (a no-op when it holds none)."""
+        Args:
+            uncache: also forget the blocks' prefix-cache entries (their K/V may never have been written:
+                the forward pass failed).
+        """
         table = self.block_tables.pop(request.request_id, None)
-        request.num_cached_blocks = 0
+        self._block_hashes.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
         if table:
+            if uncache:
+                self.pool.uncache(table)
             # Last block first: it joins the free queue first, so it is evicted first (the tail of a
             # prompt is the least likely part to be shared).
             self.pool.free(table[::-1])
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     def usage(self) -> KVCacheUsage:
         pool = self.pool

@@ -1,35 +1,38 @@
-"""The engine: the step loop that ties scheduler, model runner and detokenizer together.
+"""The engine's public face: ``add_request`` / ``abort`` / ``stats`` from any thread, and the step loop.
 
-``step()`` reads top to bottom: take new requests and aborts -> ``Scheduler.schedule()`` ->
-``ModelRunner.execute()`` -> ``Scheduler.update_from_output()`` -> detokenize, stop strings -> deltas.
-A background thread calls ``step()`` while there is work (continuous batching, Orca, Yu et al. OSDI 2022).
+``step()`` reads top to bottom: the engine core takes new requests and aborts -> ``Scheduler.schedule()``
+-> ``ModelRunner.execute()`` -> ``Scheduler.update_from_output()`` (``backend.engine_core``); then the
+output processor detokenizes, finds stop strings (handed back to the scheduler), fans ``n`` > 1 back in and
+puts the deltas on the callers' sinks (``backend.output_processor``). A background thread calls ``step()``
+while there is work (continuous batching, Orca, Yu et al. OSDI 2022); it never calls out of the engine
+except to put deltas on sinks. After every step it publishes an :class:`EngineStats` snapshot, which
+``stats()`` returns to any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 
 from backend.bad_words import bad_words_token_ids
 from backend.config import EngineConfig, resolve_dtype
-from backend.detokenizer import IncrementalDetokenizer
-from backend.kv_cache_manager import KVCacheManager, KVCacheUsage
+from backend.engine_core import EngineCore
 from backend.model_loader import load_model
-from backend.model_runner import ModelRunner, kv_bytes_per_block
-from backend.outputs import RequestMetrics, RequestOutput
+from backend.model_runner import kv_bytes_per_block
+from backend.output_processor import OutputProcessor
+from backend.outputs import RequestOutput
+from backend.parallel_sampling import ParentRequest
 from backend.prompt_limits import check_prompt_bytes, max_prompt_bytes
-from backend.request import Request, RequestStatus
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
+from backend.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -39,39 +42,18 @@ CPU_KV_CAP_BYTES = 4 << 30
 GPU_KV_FRACTION = 0.8  # of free device memory after loading the model
 
 
-@dataclass
-class EngineStats:
-    """A live snapshot for metrics. Counters are totals since start; ``last_step_*`` describe the latest step."""
-
-    num_running: int
-    num_waiting: int
-    kv: KVCacheUsage
-    max_num_seqs: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_steps: int
-    finished: dict[str, int] = field(default_factory=dict)
-    last_step_num_scheduled: int = 0
-    last_step_num_prefills: int = 0
-    last_step_num_tokens: int = 0
-
-
-@dataclass
-class _Live:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    sink: queue.Queue
-    parent_id: str  # the id the caller gave; completions of an n > 1 request share it
-    unfinished: list[int]  # shared by a request's completions: how many are still going
-
-
 class LLMEngine:
-    """Continuous batching over a paged KV cache, driving an unmodified transformers causal LM.
+    """Continuous batching over a paged KV cache, driving an unmodified transformers causal LM (or the
+    compact decoder of ``backend.models`` where the architecture allows).
 
-    Thread-safe: ``add_request`` and ``abort`` may be called from any thread; the loop thread (``start``)
-    or the caller of ``step`` does all the work. Each request's deltas go to a ``queue.Queue`` of
-    :class:`RequestOutput`; the last one has ``finish_reason`` set.
+    Thread-safe: ``add_request``, ``abort`` and ``stats`` may be called from any thread; the loop thread
+    (``start``) or the caller of ``step`` does all the work. Each request's deltas go to a ``queue.Queue`` of
+    :class:`RequestOutput`: each completion's last delta has ``finish_reason`` set, and the request's very
+    last delta (of its last completion to finish, when ``n`` > 1) has ``done`` set.
+
+    Attributes:
+        step_log: None, or a list to which the engine appends the :class:`EngineStats` snapshot taken after
+            every step that computed something (benchmarks set it; it grows without bound).
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
@@ -87,27 +69,24 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         on_cuda = model.device.type == "cuda"
         use_kernels = config.use_kernels if config.use_kernels is not None else on_cuda
         cpu_kernel = config.use_kernels is None and not on_cuda and _cpu_kernels_available()
-        self.model_runner = ModelRunner(model, self.kv_cache_manager, use_kernels, self.max_model_len,
-                                        compact=config.model_impl == "auto", cpu_kernel=cpu_kernel)
+        self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # The core's parts, for tests and tools that inspect them.
+        self.kv_cache_manager = self.engine_core.kv_cache_manager
+        self.scheduler = self.engine_core.scheduler
+        self.model_runner = self.engine_core.model_runner
 
-        self.before_step: Callable[[], None] | None = None  # called by the loop thread before every step
-        self._live: dict[str, _Live] = {}
-        self._cond = threading.Condition()
-        self._new: list[_Live] = []
-        self._groups: dict[str, list[str]] = {}  # caller's request id -> its completions' ids
-        self._aborts: list[str] = []
+        self.step_log: list[EngineStats] | None = None
         self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
         self._stopping = False
         self._num_steps = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._finished: Counter[str] = Counter()
         self._last_step = (0, 0, 0)
+        self._stats_lock = threading.Lock()
+        self._stats = self._make_stats()
 
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
@@ -137,29 +116,18 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_fits(len(prompt_ids), max_tokens)
         sink = sink if sink is not None else queue.Queue()
-        unfinished = [params.n]
-        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
-        group = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = Request(child_id, prompt_ids, params, self.eos_token_ids, max_tokens, index, bad_words)
-            group.append(_Live(request, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
-                                                               params.stop), sink, request_id, unfinished))
-        group[0].request.forks = [live.request for live in group[1:]]
-        with self._cond:
-            if request_id in self._groups:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            self._groups[request_id] = [live.request.request_id for live in group]
-            self._new.extend(group)
-            self._cond.notify()
+        parent = ParentRequest(request_id, params, sink)
+        requests = parent.make_requests(prompt_ids, self.eos_token_ids, max_tokens,
+                                        bad_words_token_ids(self.tokenizer, params.bad_words),
+                                        self.config.enable_prefix_caching)
+        self.output_processor.add_request(parent, requests)  # raises on a duplicate id
+        self.engine_core.add_requests(requests)
         return sink
 
     def abort(self, request_id: str) -> None:
         """Ends a request (all its completions) with finish_reason ``abort`` at the next step; its blocks are
         freed then. Unknown or finished ids are ignored."""
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify()
+        self.engine_core.abort_requests(self.output_processor.child_ids(request_id))
 
     def generate(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None) -> Iterator[RequestOutput]:
@@ -173,22 +141,18 @@ class LLMEngine:
                 return
 
     def has_unfinished_requests(self) -> bool:
-        with self._cond:
-            return bool(self._groups)
+        return self.output_processor.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
-        scheduled, prefills, tokens = self._last_step
-        return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._new),
-            kv=self.kv_cache_manager.usage(), max_num_seqs=self.config.max_num_seqs,
-            num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens, num_steps=self._num_steps, finished=dict(self._finished),
-            last_step_num_scheduled=scheduled, last_step_num_prefills=prefills, last_step_num_tokens=tokens)
+        """The snapshot taken after the latest step, plus the requests added since (counted as waiting)."""
+        with self._stats_lock:
+            stats = self._stats
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self.engine_core.num_inbox_requests)
 
     # -- the loop -----------------------------------------------------------------------------------
     def start(self) -> None:
         """Starts the background loop thread (idempotent)."""
-        with self._cond:
+        with self._thread_lock:
             if self._thread is not None:
                 return
             self._stopping = False
@@ -197,30 +161,28 @@ class LLMEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the loop; requests still in flight end with finish_reason ``abort``."""
-        with self._cond:
+        with self._thread_lock:
             self._stopping = True
-            self._cond.notify()
             thread, self._thread = self._thread, None
+        self.engine_core.wake()
         if thread is not None:
             thread.join(timeout)
-        with self._cond:
-            self._aborts.extend(self._groups)
-        self._take_inbox()
+        for request_id in self.output_processor.parent_ids():
+            self.abort(request_id)
+        self.output_processor.make_outputs([], self.engine_core.take_inbox(), {})
+        self._publish_stats()
 
     def _run_loop(self) -> None:
         while True:
-            with self._cond:
-                while not (self._stopping or self._new or self._aborts or self._live):
-                    self._cond.wait()
-                if self._stopping:
-                    return
+            self.engine_core.wait_for_work()
+            if self._stopping:
+                return
             try:
-                if self.before_step is not None:
-                    self.before_step()
                 self.step()
             except Exception as exc:  # a bug must not kill the loop: fail what is in flight, keep serving
                 log.exception("engine step failed")
-                self._fail_all(f"engine error: {exc}")
+                self.output_processor.make_outputs([], self.engine_core.fail_all(f"engine error: {exc}"), {})
+                self._publish_stats()
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -229,85 +191,34 @@ class LLMEngine:
         Returns:
             The deltas produced (also put on each request's sink).
         """
-        outputs = self._take_inbox()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs
-        self._num_steps += 1
-        num_prefills = sum(1 for n in sched.num_scheduled_tokens if n > 1)
-        self._last_step = (len(sched.requests), num_prefills, sched.total_num_scheduled_tokens)
-        try:
-            result = self.model_runner.execute(sched)
-        except Exception as exc:
-            log.exception("forward pass failed for %d requests", len(sched.requests))
-            for request in sched.requests:
-                if not request.is_finished:
-                    outputs.extend(self._finish(request, RequestStatus.FINISHED_ERROR, f"forward pass failed: {exc}"))
-            return outputs
-
-        for request in self.scheduler.update_from_output(sched, result.sampled):
-            live = self._live[request.request_id]
-            if request.num_output_tokens == 1 and request.index == 0:
-                self._prompt_tokens += request.num_prompt_tokens
-            self._generation_tokens += 1
-            token_id = request.token_ids[-1]
-            live.detokenizer.add_token(token_id, check_stop=request.num_output_tokens > request.params.min_tokens)
-            if live.detokenizer.stopped:
-                self.scheduler.finish_on_stop_string(request)
-            logprobs = result.logprobs.get(request.request_id)
-            outputs.append(self._emit(live, [token_id], None if logprobs is None else [logprobs]))
+        core_out = self.engine_core.step()
+        if core_out.sched is not None:
+            sched = core_out.sched
+            self._num_steps += 1
+            self._last_step = (len(sched.scheduled), sched.num_prefills, sched.total_num_scheduled_tokens)
+        stopped = self.output_processor.detokenize(core_out.new_token)
+        self.engine_core.finish_on_stop_strings(stopped)
+        outputs = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs)
+        self._publish_stats()
+        if self.step_log is not None and core_out.sched is not None:
+            self.step_log.append(self._stats)
         return outputs
 
-    def _take_inbox(self) -> list[RequestOutput]:
-        with self._cond:
-            new, self._new = self._new, []
-            aborts, self._aborts = self._aborts, []
-        for live in new:
-            self._live[live.request.request_id] = live
-            if live.request.index == 0:  # the others start from it once the prompt is computed
-                self.scheduler.add_request(live.request)
-        outputs = []
-        for request_id in aborts:
-            for child_id in self._groups.get(request_id, ()):
-                live = self._live.get(child_id)
-                if live is not None and not live.request.is_finished:
-                    outputs.extend(self._finish(live.request, RequestStatus.FINISHED_ABORTED))
-        return outputs
+    def _make_stats(self) -> EngineStats:
+        sched = self.engine_core.make_stats()
+        scheduled, prefills, tokens = self._last_step
+        out = self.output_processor
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting, kv=sched.kv,
+            max_num_seqs=self.config.max_num_seqs, num_preemptions=sched.num_preemptions,
+            prompt_tokens=out.prompt_tokens, generation_tokens=out.generation_tokens, num_steps=self._num_steps,
+            finished=dict(out.finished), last_step_num_scheduled=scheduled, last_step_num_prefills=prefills,
+            last_step_num_tokens=tokens, num_computed_tokens=sched.num_computed_tokens, time=time.perf_counter())
 
-    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
-        """Ends a request and any completions still waiting to fork from it, emitting their last deltas."""
-        ended = [request, *request.forks]
-        self.scheduler.finish_request(request, status)
-        outputs = []
-        for r in ended:
-            r.error = error
-            outputs.append(self._emit(self._live[r.request_id], [], None))
-        return outputs
-
-    def _emit(self, live: _Live, token_ids: list[int], logprobs) -> RequestOutput:
-        request = live.request
-        finished = request.is_finished
-        out = RequestOutput(live.parent_id, token_ids, live.detokenizer.delta(final=finished),
-                            request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
-                            logprobs, request.error, index=request.index,
-                            num_cached_tokens=request.num_cached_tokens)
-        if finished:
-            out.metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time,
-                                         request.num_output_tokens)
-            self._finished[out.finish_reason] += 1
-            del self._live[request.request_id]
-            live.unfinished[0] -= 1
-            out.done = live.unfinished[0] == 0
-            if out.done:
-                with self._cond:
-                    del self._groups[live.parent_id]
-        live.sink.put(out)
-        return out
-
-    def _fail_all(self, error: str) -> None:
-        for live in list(self._live.values()):
-            if not live.request.is_finished:
-                self._finish(live.request, RequestStatus.FINISHED_ERROR, error)
+    def _publish_stats(self) -> None:
+        stats = self._make_stats()
+        with self._stats_lock:
+            self._stats = stats
 
     # -- helpers ------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | bytes | list[int]) -> list[int]:

@@ -1,7 +1,9 @@
 """Tensors in, tokens out: packs the step's tokens, runs one forward pass, samples.
 
-Knows nothing about queues: it gets a :class:`SchedulerOutput` and the block tables, and returns
-the sampled token of every request that reached its last token.
+Owns the model and the KV cache tensors; knows nothing about queues or block allocation. It reads only the
+:class:`~backend.scheduler_output.SchedulerOutput` (each request's chunk and block table), builds the slot
+mapping and the attention metadata of the path in use, and returns the sampled token of every request
+that reached its last token.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.attention import ATTENTION_NAME, AttentionMetadata, GatherWorkspace, PrefillSpan
-from backend.kv_cache_manager import KVCacheManager, cdiv
+from backend.attention import (ATTENTION_NAME, AttentionMetadata, GatherWorkspace, KernelAttentionMetadata,
+                               PrefillSpan, TorchAttentionMetadata)
 from backend.models import build_decoder
 from backend.sampler import Sampler, TokenLogprobs
-from backend.scheduler import SchedulerOutput
+from backend.scheduler_output import SchedulerOutput
+from backend.utils import cdiv
 
 
 @dataclass
@@ -44,10 +47,9 @@ class ModelRunner:
     The KV cache is, per layer, a key and a value tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache_manager: KVCacheManager, use_kernels: bool,
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, use_kernels: bool,
                  max_model_len: int, compact: bool = True, cpu_kernel: bool = False) -> None:
-        self.kv = kv_cache_manager
-        self.block_size = kv_cache_manager.block_size
+        self.block_size = block_size
         self.use_kernels = use_kernels
         self.cpu_kernel = cpu_kernel  # decodes through kernels/cpu (reads blocks in place) instead of gather + SDPA
         self.sampler = Sampler()
@@ -61,7 +63,7 @@ class ModelRunner:
         if self.model is not None:
             model.set_attn_implementation(ATTENTION_NAME)
         num_kv_heads, head_dim = kv_shape(model.config)
-        shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(model.config.num_hidden_layers)]
@@ -70,34 +72,34 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over all scheduled tokens, packed with no padding; logits only for each
         request's last scheduled token, and only when that token is the request's last."""
-        for source, destination in self.kv.take_pending_copies():  # copy-on-write of shared blocks
-            for key_cache, value_cache in self.kv_caches:
-                key_cache[destination].copy_(key_cache[source])
-                value_cache[destination].copy_(value_cache[source])
-        requests, counts = sched.requests, sched.num_scheduled_tokens
-        starts = [r.num_computed_tokens for r in requests]
+        scheduled = sched.scheduled
+        counts = [s.num_scheduled_tokens for s in scheduled]
+        starts = [s.num_computed_tokens for s in scheduled]
         token_ids: list[int] = []
-        for request, start, n in zip(requests, starts, counts):
-            token_ids.extend(request.token_ids[start:start + n])
+        for s in scheduled:
+            token_ids.extend(s.token_ids)
 
         counts_t = torch.tensor(counts)
         starts_t = torch.tensor(starts)
         seq_lens = starts_t + counts_t
-        cu_seqlens = torch.zeros(len(requests) + 1, dtype=torch.long)
+        cu_seqlens = torch.zeros(len(scheduled) + 1, dtype=torch.long)
         torch.cumsum(counts_t, 0, out=cu_seqlens[1:])
         num_tokens = int(cu_seqlens[-1])
         # Position of each packed token: its request's start + its offset within the request's chunk.
-        row_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts_t)
+        row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), counts_t)
         positions = starts_t[row_of_token] + torch.arange(num_tokens) - cu_seqlens[:-1][row_of_token]
 
-        tables = [self.kv.block_tables[r.request_id] for r in requests]
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled],
+                                    dtype=torch.long)
         slot_mapping = (block_tables[row_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
 
-        meta = self._attention_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
-        sample_rows = [i for i, r in enumerate(requests) if starts[i] + counts[i] == r.num_tokens]
+        if self.use_kernels:
+            meta = self._kernel_metadata(seq_lens, cu_seqlens, block_tables, slot_mapping)
+        else:
+            meta = self._torch_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
         logits_rows = cu_seqlens[1:][sample_rows] - 1
         input_ids = torch.tensor(token_ids, device=self.device)
         positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
@@ -108,15 +110,24 @@ class ModelRunner:
                                 logits_to_keep=logits_rows, attention_metadata=meta).logits[0]
         if not sample_rows:
             return ModelRunnerOutput({}, {})
-        sample_requests = [requests[i] for i in sample_rows]
+        sample_requests = [scheduled[i].request for i in sample_rows]
         out = self.sampler(logits, sample_requests)
         sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs)
 
-    def _attention_metadata(self, counts: list[int], starts: list[int], seq_lens: torch.Tensor,
-                            cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
-                            slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def _kernel_metadata(self, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> AttentionMetadata:
+        device = self.device
+        return KernelAttentionMetadata(
+            kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device),
+            cu_seqlens_q=cu_seqlens.to(device=device, dtype=torch.int32),
+            seq_lens=seq_lens.to(device=device, dtype=torch.int32),
+            block_tables=block_tables.to(device=device, dtype=torch.int32))
+
+    def _torch_metadata(self, counts: list[int], starts: list[int], seq_lens: torch.Tensor,
+                        cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> AttentionMetadata:
         device, bs = self.device, self.block_size
         num_decodes = 0
         while num_decodes < len(counts) and counts[num_decodes] == 1:
@@ -135,14 +146,9 @@ class ModelRunner:
                 mask = (torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]).to(device)
             prefills.append(PrefillSpan(int(cu_seqlens[i]), int(cu_seqlens[i + 1]), seq_len,
                                         block_tables[i, :cdiv(seq_len, bs)].to(device), mask))
-        meta = AttentionMetadata(
+        return TorchAttentionMetadata(
             kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
             decode_block_tables=(decode_tables.contiguous() if self.cpu_kernel else decode_tables).to(device),
             decode_mask=None if decode_mask is None else decode_mask.to(device),
             decode_seq_lens=decode_lens.to(device),
-            prefills=prefills, workspace=self.workspace, use_kernels=self.use_kernels, cpu_kernel=self.cpu_kernel)
-        if self.use_kernels:
-            meta.cu_seqlens_q = cu_seqlens.to(device=device, dtype=torch.int32)
-            meta.seq_lens = seq_lens.to(device=device, dtype=torch.int32)
-            meta.block_tables = block_tables.to(device=device, dtype=torch.int32)
-        return meta
+            prefills=prefills, workspace=self.workspace, cpu_kernel=self.cpu_kernel)

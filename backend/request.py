@@ -36,11 +36,15 @@ class Request:
     ``num_computed_tokens`` (tokens whose K/V are in the cache) catch up with ``len(token_ids)``:
     a prefill is many tokens at once, a decode is the one token sampled last step (vLLM v1's single rule).
     Preemption by recompute resets ``num_computed_tokens`` to 0 and keeps the tokens.
+
+    The scheduler advances its counters and status; the KV cache manager only reads it; the output
+    processor reads its tokens and status to build deltas. A request is one completion: an ``n`` > 1
+    request is ``n`` of them (``index`` 0..n-1), fanned out and in by ``backend.parallel_sampling``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0,
-                 bad_words_token_ids: list[list[int]] | None = None) -> None:
+                 bad_words_token_ids: list[list[int]] | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.index = index  # which of the prompt's n completions (parallel sampling)
         self.params = params
@@ -50,12 +54,10 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.bad_words_token_ids = bad_words_token_ids or []  # params.bad_words, tokenized (backend.bad_words)
+        self.cache_salt = cache_salt  # prefix-cache sharing limited to requests with the same salt
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
-        self.block_hashes: list[tuple[bytes, tuple]] = []  # prefix-cache hash and key per full block
-        self.num_cached_blocks = 0  # leading blocks of this request registered in the prefix cache
-        self.forks: list[Request] = []  # completions 1..n-1, started from this one once its prompt is computed
         self.error: str | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -63,7 +65,6 @@ class Request:
         # Timestamps (time.monotonic seconds) for TTFT / TPOT / end-to-end latency.
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
         self.finish_time: float | None = None
 
     @property
@@ -79,10 +80,6 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -90,7 +87,6 @@ class Request:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
-        self.last_token_time = now
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

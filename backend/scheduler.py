@@ -3,38 +3,23 @@
 Every step each scheduled request's ``num_computed_tokens`` catches up with its tokens, under a token
 budget (``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``). Prefill, chunked prefill
 and decode are the same code path: a decode is a request one token behind.
+
+``schedule()`` returns a :class:`~backend.scheduler_output.SchedulerOutput` holding each request's block
+table; ``update_from_output()`` applies the model runner's sampled tokens and the stopping rule
+(``backend.stopping``). The scheduler asks the KV cache manager through its methods only.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
 from backend.kv_cache_manager import KVCacheManager
 from backend.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """What to compute this step.
-
-    ``requests[i]`` computes ``num_scheduled_tokens[i]`` tokens starting at its ``num_computed_tokens``.
-    Decodes (one token) come first, then prefill chunks, so the model runner can batch the decodes.
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
+from backend.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.stats import SchedulerStats
+from backend.stopping import stop_status
 
 
 class Scheduler:
@@ -68,20 +53,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Running requests first (oldest first), then waiting ones while both budgets allow.
 
         When a running request needs a block and none is free, the newest running request is preempted
-        (recompute: its blocks are freed and it goes back to the front of the waiting queue).
+        (recompute: its blocks are freed and it goes back to the front of the waiting queue); no waiting
+        request is admitted in a step that preempted.
         """
-        out = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        preempted = False
 
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -90,7 +72,7 @@ class Scheduler:
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted = True
                 if victim is request:
                     break
             else:
@@ -98,29 +80,26 @@ class Scheduler:
                 token_budget -= num_new
                 i += 1
 
-        if not out.preempted:
-            while self.waiting and len(self.running) < self.max_num_seqs and token_budget > 0:
-                request = self.waiting[0]
-                cached = []
-                if request.request_id not in self.kv.block_tables:  # new or preempted: try the prefix cache
-                    cached = self.kv.get_computed_blocks(request)
-                num_cached = len(cached) * self.kv.block_size
-                num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget)
-                if not self.kv.allocate_slots(request, num_new, cached):
-                    break
-                request.num_computed_tokens += num_cached
-                if request.num_preemptions == 0 and request.num_output_tokens == 0:
-                    request.num_cached_tokens = num_cached
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                scheduled.append((request, num_new))
-                token_budget -= num_new
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and token_budget > 0:
+            request = self.waiting[0]
+            cached = self.kv.get_computed_blocks(request)  # new or preempted: it holds no blocks
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                break
+            request.num_computed_tokens += num_cached
+            if request.num_preemptions == 0 and request.num_output_tokens == 0:
+                request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            token_budget -= num_new
 
         scheduled.sort(key=lambda item: item[1] != 1)  # decodes first; stable within each group
-        out.requests = [request for request, _ in scheduled]
-        out.num_scheduled_tokens = [n for _, n in scheduled]
-        return out
+        return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
+                                                 self.kv.get_block_ids(request.request_id))
+                                for request, n in scheduled])
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -133,7 +112,7 @@ class Scheduler:
     # -- after the forward pass --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances ``num_computed_tokens``, appends sampled tokens and finishes requests that hit
-        EOS, a stop token id or max_tokens.
+        EOS, a stop token id or max_tokens (:func:`backend.stopping.stop_status`).
 
         Args:
             sampled: request id -> the token sampled for it (only requests that reached their last token).
@@ -143,13 +122,11 @@ class Scheduler:
         """
         now = time.monotonic()
         updated = []
-        for request, num_new in zip(out.requests, out.num_scheduled_tokens):
+        for s in out.scheduled:
+            request = s.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
-            if request.forks and request.num_computed_tokens >= request.num_prompt_tokens:
-                self._start_forks(request)
+            request.num_computed_tokens += s.num_scheduled_tokens
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt
@@ -160,22 +137,11 @@ class Scheduler:
                 self.finish_request(request, reason)
         return updated
 
-    def _start_forks(self, request: Request) -> None:
-        """Parallel sampling: the other completions share the now computed prompt blocks and recompute only
-        the last prompt token, for logits of their own (its block is copied on write)."""
-        for child in request.forks:
-            if child.is_finished:  # aborted before it could start
-                continue
-            self.kv.fork(request, child, request.num_prompt_tokens)
-            child.num_computed_tokens = request.num_prompt_tokens - 1
-            self.waiting.appendleft(child)
-        request.forks = []
-
     def finish_on_stop_string(self, request: Request) -> None:
         """The detokenizer found a stop string ending in the request's last token (after
         ``update_from_output``, which cannot see text): finish the request, or, when that same token also
         reached max_tokens and finished it as ``length``, relabel it ``stop`` (its blocks are already free).
-        The decision is :func:`stop_status`'s, as for EOS and stop token ids."""
+        The decision is :func:`~backend.stopping.stop_status`'s, as for EOS and stop token ids."""
         status = stop_status(request, request.token_ids[-1], stop_string_matched=True)
         if status is None:
             return
@@ -184,8 +150,13 @@ class Scheduler:
         elif request.status == RequestStatus.FINISHED_LENGTH:
             request.status = status
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request (any finished status) and frees its blocks at once; idempotent."""
+    def finish_request(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Ends a request (any finished status) and frees its blocks at once; idempotent.
+
+        Args:
+            error: why it failed (``FINISHED_ERROR``); its blocks' prefix-cache entries are dropped too,
+                since the failed step may not have written them.
+        """
         if request.is_finished:
             return
         if request.status == RequestStatus.RUNNING:
@@ -196,32 +167,13 @@ class Scheduler:
             except ValueError:
                 pass
         request.status = status
+        request.error = error
         request.finish_time = time.monotonic()
-        self.kv.free(request)
-        for child in request.forks:  # never started: they end with their parent
-            self.finish_request(child, status)
+        self.kv.free(request, uncache=status == RequestStatus.FINISHED_ERROR)
 
-
-def stop_status(request: Request, token_id: int, stop_string_matched: bool = False) -> RequestStatus | None:
-    """Whether the token just appended ends the request, and why: the one stopping rule.
-
-    vLLM's order: EOS (unless ``ignore_eos``) and ``stop_token_ids``, then a stop string completed by this
-    token, then ``max_tokens``. So a last allowed token that is EOS, a stop token or the end of a stop
-    string finishes with ``stop``, not ``length``. Within ``min_tokens`` only ``max_tokens`` can end it.
-
-    Args:
-        token_id: the token appended last (already in ``request.token_ids``).
-        stop_string_matched: the detokenizer found a stop string ending in this token.
-
-    Returns:
-        ``FINISHED_STOPPED``, ``FINISHED_LENGTH`` or None (keep going).
-    """
-    params = request.params
-    if request.num_output_tokens > params.min_tokens:
-        if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if stop_string_matched:
-            return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the queues and the KV pool (for the engine's stats; taken on the engine thread)."""
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              num_preemptions=self.num_preemptions,
+                              num_computed_tokens=sum(r.num_computed_tokens for r in self.running),
+                              kv=self.kv.usage())

@@ -1,7 +1,7 @@
 """Our engine in process: the loop thread steps while a feeder thread adds requests at their arrival times;
 the caller reads every delta from one shared queue and timestamps it there (what a user of the engine sees).
 
-A ``before_step`` hook samples, once per step, the running batch and the KV pool:
+The engine's ``step_log`` keeps its stats snapshot after every step: the running batch and the KV pool,
 tokens stored / slots reserved = sum(num_computed_tokens of running requests) / (used_blocks * block_size).
 """
 
@@ -34,27 +34,24 @@ def step_until_all_decoding(engine: LLMEngine) -> None:
     """Steps a caller-driven engine (no loop thread) until every added request is admitted and prefilled, so
     the next step is a pure decode of all of them (requests sit in the inbox until the first step)."""
     engine.step()
-    while engine.scheduler.waiting or engine.stats().last_step_num_prefills:
+    while engine.stats().num_waiting or engine.stats().last_step_num_prefills:
         engine.step()
 
 
 class StepTrace:
-    """Per-step samples, taken by the loop thread before each step (so they describe the previous step):
-    time (s), requests in that step, running requests, KV blocks used, tokens stored."""
+    """Per-step samples from the engine's ``step_log`` (snapshots taken after each step): time (s),
+    requests in that step, running requests, KV blocks used, tokens stored."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.rows: list[tuple[float, int, int, int, int]] = []
-        self._steps = engine.stats().num_steps
+        engine.step_log = []
 
-    def __call__(self) -> None:
-        stats = self.engine.stats()
-        if stats.num_steps == self._steps:
-            return
-        self._steps = stats.num_steps
-        stored = sum(r.num_computed_tokens for r in self.engine.scheduler.running)
-        self.rows.append((time.perf_counter(), stats.last_step_num_scheduled, stats.num_running,
-                          stats.kv.used_blocks, stored))
+    def stop(self) -> None:
+        """Takes the rows from the engine's log and stops logging."""
+        log, self.engine.step_log = self.engine.step_log or [], None
+        self.rows = [(s.time, s.last_step_num_scheduled, s.num_running, s.kv.used_blocks, s.num_computed_tokens)
+                     for s in log]
 
     def summary(self, start: float) -> tuple[float, dict, dict]:
         """(mean requests per step, KV figures, timeline for the plots)."""
@@ -91,9 +88,8 @@ class EngineSystem:
         records = {r.index: RequestRecord(r.index, 0.0, r.output_len) for r in workload.requests}
         first_tokens: dict[int, list[int]] = {r.index: [] for r in workload.requests}
         sink: queue.Queue = queue.Queue()
-        trace = StepTrace(engine)
         preempted_before = engine.stats().num_preemptions
-        engine.before_step = trace
+        trace = StepTrace(engine)
         engine.start()
         start = time.perf_counter()
         for rec in records.values():
@@ -124,8 +120,7 @@ class EngineSystem:
                     bar.update(1)
         feeder.join()
         engine.shutdown()
-        trace()  # the last step
-        engine.before_step = None
+        trace.stop()
         mean_batch, kv, timeline = trace.summary(start)
         return SystemRun("engine", mode, list(records.values()), start, mean_batch=mean_batch,
                          batch_source="requests per engine step", kv=kv, timeline=timeline,

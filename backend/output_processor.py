@@ -1,0 +1,127 @@
+"""From engine requests to what callers see: detokenization, stop strings, fan-in of ``n`` > 1, sinks.
+
+vLLM v1's ``OutputProcessor``: the engine core hands over the requests that gained a token or ended this
+step; this module turns each into a :class:`RequestOutput` delta and puts it on its caller's sink. It owns
+the per-completion state (:class:`RequestState`: detokenizer, parent) and the caller-side counters
+(prompt and generation tokens, finish reasons). It never changes a request: a stop string it finds is
+handed back (:meth:`OutputProcessor.detokenize`) and the engine asks the scheduler to finish the request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from backend.detokenizer import IncrementalDetokenizer
+from backend.outputs import RequestMetrics, RequestOutput
+from backend.parallel_sampling import ParentRequest
+from backend.request import Request
+from backend.sampler import TokenLogprobs
+from backend.stopping import stop_strings_active
+
+
+@dataclass
+class RequestState:
+    """One completion as the output side tracks it."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    parent: ParentRequest
+
+
+class OutputProcessor:
+    """Builds and delivers deltas. ``add_request`` may be called from any thread; the rest from the engine
+    thread only."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._parents: dict[str, ParentRequest] = {}  # caller's id -> the request, until done
+        self._states: dict[str, RequestState] = {}  # engine request id -> its state, until finished
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()  # finish reason -> completions
+
+    def add_request(self, parent: ParentRequest, requests: list[Request]) -> None:
+        """Registers a caller's request and its completions.
+
+        Raises:
+            ValueError: a request with the same id is still in flight.
+        """
+        params = parent.params
+        states = [RequestState(r, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
+                               parent) for r in requests]
+        with self._lock:
+            if parent.request_id in self._parents:
+                raise ValueError(f"request id {parent.request_id!r} is already in flight")
+            self._parents[parent.request_id] = parent
+            self._states.update((s.request.request_id, s) for s in states)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The engine request ids of a caller's request in flight (none when unknown or done)."""
+        with self._lock:
+            parent = self._parents.get(request_id)
+            return parent.child_ids if parent is not None else []
+
+    def parent_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._parents)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._parents)
+
+    def detokenize(self, requests: list[Request]) -> list[Request]:
+        """Adds each request's new last token to its text.
+
+        Returns:
+            The requests whose text now ends in a stop string (outside ``min_tokens``).
+        """
+        stopped = []
+        for request in requests:
+            detokenizer = self._states[request.request_id].detokenizer
+            detokenizer.add_token(request.token_ids[-1], check_stop=stop_strings_active(request))
+            if detokenizer.stopped:
+                stopped.append(request)
+        return stopped
+
+    def make_outputs(self, with_token: list[Request], without_token: list[Request],
+                     logprobs: dict[str, TokenLogprobs]) -> list[RequestOutput]:
+        """Deltas for the requests that gained a token this step and for those that ended without one
+        (aborted, failed), put on their sinks.
+
+        Returns:
+            The deltas, in that order.
+        """
+        outputs = []
+        for request in with_token:
+            if request.num_output_tokens == 1 and request.index == 0:
+                self.prompt_tokens += request.num_prompt_tokens
+            self.generation_tokens += 1
+            token_logprobs = logprobs.get(request.request_id)
+            outputs.append(self._emit(request, [request.token_ids[-1]],
+                                      None if token_logprobs is None else [token_logprobs]))
+        for request in without_token:
+            outputs.append(self._emit(request, [], None))
+        return outputs
+
+    def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        state = self._states[request.request_id]
+        parent = state.parent
+        finished = request.is_finished
+        out = RequestOutput(parent.request_id, token_ids, state.detokenizer.delta(final=finished),
+                            request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
+                            logprobs, request.error, index=request.index,
+                            num_cached_tokens=request.num_cached_tokens)
+        if finished:
+            out.metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time,
+                                         request.num_output_tokens)
+            self.finished[out.finish_reason] += 1
+            out.done = parent.finish_child()
+            with self._lock:
+                del self._states[request.request_id]
+                if out.done:
+                    del self._parents[parent.request_id]
+        parent.sink.put(out)
+        return out

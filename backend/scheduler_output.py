@@ -1,0 +1,79 @@
+"""What one step computes: the scheduler's answer, and everything the model runner needs from it.
+
+The data path is one way: ``Scheduler.schedule()`` builds a :class:`SchedulerOutput`, the model runner
+reads only it (never the scheduler's queues or the KV cache manager's tables), and
+``Scheduler.update_from_output()`` applies the runner's result. Like nano-vllm, each scheduled request
+carries its whole block table every step (vLLM's ``NewRequestData`` sends it once and
+``CachedRequestData`` only the new block ids, for a runner that keeps per-request state; ours keeps none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of the step.
+
+    Attributes:
+        request: its tokens, sampling parameters and generator (the runner and sampler read them only).
+        num_computed_tokens: tokens whose K/V are already cached; this step's chunk starts here.
+        num_scheduled_tokens: tokens computed this step (1 for a decode).
+        block_ids: the request's block table after this step's allocation, in token order; covers
+            ``num_computed_tokens + num_scheduled_tokens`` tokens.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step, in tokens (cached prefix + this chunk)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens computed this step."""
+        return self.request.token_ids[self.num_computed_tokens:self.seq_len]
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token: its logits give the next token."""
+        return self.seq_len == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute this step: decodes (one token) first, then prefill chunks, so the model runner can
+    batch the decodes."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [s.request for s in self.scheduled]
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return [s.num_scheduled_tokens for s in self.scheduled]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def num_prefills(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_scheduled_tokens > 1)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
