@@ -78,7 +78,8 @@ def test_stop_string_across_tokens_is_held_back_then_cut(tokenizer):
 
 def test_held_back_text_is_released_when_it_does_not_become_a_stop(tokenizer):
     ids = tokenizer.encode("one two thr one", add_special_tokens=False)
+    assert [tokenizer.decode([i]) for i in ids] == ["one", " two", " thr", " one"]
     deltas, detok = stream(tokenizer, ids, stop=["three"])
     assert not detok.stopped
-    assert "".join(deltas) == "one two thr one"
-    assert "thr" not in "".join(deltas[:-1]) or "one" in "".join(deltas[:-1]).split("thr")[-1]
+    # "thr" may begin "three": held back when it arrives, released with the next token.
+    assert deltas == ["one", " two", " ", "thr one", ""]

@@ -3,13 +3,11 @@
 Without a GPU the kernels run under Triton's interpreter on CPU tensors. Triton
 reads TRITON_INTERPRET when a function is decorated with @triton.jit: its own
 library functions (tl.cdiv, tl.max, ...) when triton.language is first
-imported, and our kernels when `kernels` is imported. So this module sets it
-before importing either, unless something (conftest.py, another test module)
-imported triton already; then the in-process tests are skipped and
-test_in_fresh_process reruns this file in a new Python process with
-TRITON_INTERPRET=1. Setting TRITON_INTERPRET=1 before pytest starts (or at the
-top of conftest.py) avoids the rerun. With a GPU (and TRITON_INTERPRET unset)
-the tests run compiled on CUDA.
+imported, and our kernels when `kernels` is imported. conftest.py sets it
+before anything imports triton (this module too, when run alone);
+test_kernels_run_interpreted_in_this_process fails if triton was imported
+too early anyway. With a GPU (and TRITON_INTERPRET unset) the tests run
+compiled on CUDA.
 """
 
 import os
@@ -51,23 +49,12 @@ NEEDS_BF16_DOT = pytest.mark.skipif(INTERPRETED, reason="Triton interpreter has 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def skip_if_triton_imported_too_early(request):
-    if TRITON_IMPORTED_TOO_EARLY and request.function.__name__ not in SUBPROCESS_TESTS:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; see test_in_fresh_process")
-
-
-@pytest.mark.skipif(not TRITON_IMPORTED_TOO_EARLY, reason="the kernel tests run in this process")
-def test_in_fresh_process():
-    """Rerun this file where TRITON_INTERPRET=1 is set before triton is imported."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not sm90", __file__],
-        cwd=ROOT,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+@pytest.mark.skipif(USE_CUDA, reason="compiled on the GPU, not interpreted")
+def test_kernels_run_interpreted_in_this_process():
+    """conftest.py sets TRITON_INTERPRET=1 before anything imports triton; if something imported it earlier,
+    the kernels would be compiled for a GPU there is not, and every kernel test below would fail."""
+    assert not TRITON_IMPORTED_TOO_EARLY
+    assert os.environ["TRITON_INTERPRET"] == "1"
 
 
 # The interpreter runs kernels as NumPy code and misses compile-only errors, so
@@ -109,9 +96,6 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, "-c", SM90_COMPILE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr[-5000:]
-
-
-SUBPROCESS_TESTS = {test_in_fresh_process.__name__, test_kernels_compile_for_sm90.__name__}
 
 
 def assert_close(actual, expected):

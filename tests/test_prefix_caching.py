@@ -104,14 +104,15 @@ def test_parallel_sampling_streams_each_completion_with_its_index(make_engine, t
 
 
 @pytest.mark.parametrize("prompt_len", [2 * BLOCK, 2 * BLOCK + 5])
-def test_greedy_forks_share_prompt_blocks_and_match_a_single_request(make_engine, tiny_model_dir, prompt_len):
+def test_greedy_completions_share_prompt_blocks_and_match_a_single_request(make_engine, tiny_model_dir, prompt_len):
     engine = make_engine(tiny_model_dir, num_blocks=64, enable_prefix_caching=False)
     prompt = list(range(50, 50 + prompt_len))
     single = tokens(run_one(engine, prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
     sink = engine.add_request(prompt, SamplingParams(n=4, max_tokens=20, temperature=0.0, ignore_eos=True),
                               request_id="fork")
-    engine.step()  # prefill of completion 0
-    engine.step()  # completions 1-3 fork: they share the prompt blocks, copying only the one they write into
+    engine.step()  # all 4 admitted: 1-3 share completion 0's full prompt blocks (salted: caching is off)
+    engine.step()  # decodes
+    assert engine.stats().kv.prefix_cache_hits == 0  # sharing among completions is not prefix caching
     used = engine.stats().kv.used_blocks
     per_request = -(-(prompt_len + 2) // BLOCK)
     assert used < 4 * per_request
@@ -151,3 +152,11 @@ def test_abort_before_the_fork_ends_every_completion(make_engine, tiny_model_dir
     outs = drain(sink)
     assert sorted(o.index for o in outs if o.finished) == [0, 1, 2] and outs[-1].done
     assert not engine.has_unfinished_requests() and engine.stats().kv.used_blocks == 0
+
+
+def test_completions_do_not_share_with_other_requests_when_caching_is_off(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=64, enable_prefix_caching=False)
+    prompt = list(range(50, 50 + 3 * BLOCK))
+    run_one(engine, prompt, SamplingParams(n=2, max_tokens=2, temperature=0.0, ignore_eos=True))
+    outs = run_one(engine, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert outs[-1].num_cached_tokens == 0

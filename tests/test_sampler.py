@@ -69,3 +69,28 @@ def test_bad_words_mask_the_token_that_would_complete_them():
     assert Sampler()(logits.clone(), [r]).token_ids[0] != best
     r.bad_words_token_ids = [[3, best]]  # the tail is 6, not 3: nothing banned
     assert Sampler()(logits.clone(), [r]).token_ids[0] == best
+
+
+@pytest.mark.parametrize("penalty", [dict(frequency_penalty=0.3), dict(presence_penalty=0.6),
+                                     dict(repetition_penalty=1.5)])
+def test_penalties_move_the_greedy_choice(penalty):
+    logits = torch.zeros(1, 10)
+    logits[0, 5], logits[0, 2] = 3.0, 2.5
+    request = Request("r", [1, 1], SamplingParams(temperature=0.0, **penalty), (), max_tokens=5)
+    request.token_ids += [5, 5]  # two outputs of token 5: frequency 0.6, presence 0.6, repetition 3 / 1.5 = 2
+    assert Sampler()(logits.clone(), [request]).token_ids == [2]
+    plain = Request("p", [1, 1], SamplingParams(temperature=0.0), (), max_tokens=5)
+    plain.token_ids += [5, 5]
+    assert Sampler()(logits.clone(), [plain]).token_ids == [5]
+
+
+def test_top_k_top_p_min_p_restrict_the_draw():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    cases = [(dict(top_k=1), {0}), (dict(top_p=0.7), {0, 1}), (dict(top_p=0.85), {0, 1, 2}),
+             (dict(min_p=0.5), {0, 1}), (dict(), {0, 1, 2, 3})]
+    for settings, allowed in cases:
+        seen = set()
+        for seed in range(200):
+            request = Request("r", [1], SamplingParams(seed=seed, **settings), (), max_tokens=5)
+            seen.add(Sampler()(logits.clone(), [request]).token_ids[0])
+        assert seen == allowed, settings

@@ -281,7 +281,8 @@ def test_cancelled_waiting_requests_are_never_scheduled(triton_server):
     while m("llm_num_requests_waiting", version="1") < 6:
         assert time.monotonic() < deadline, "6 requests never waited"
         time.sleep(0.05)
-    time.sleep(0.6)  # metrics publish every 0.25 s: the running ones' first tokens are all counted now
+    # The engine's stats are one snapshot per step: the one that first showed 16 running counted their prompts
+    # (all prefilled in that step), and it was published in full before the later one showing 6 waiting.
     prompt_tokens_running = m("llm_prompt_tokens_total", version="1") - prompt_tokens_before
     assert prompt_tokens_running >= 16 * 8  # each running prompt is at least 8 tokens
     for client in waiting + running:  # the waiting ones first, then at once the running ones: slots free up
@@ -291,7 +292,9 @@ def test_cancelled_waiting_requests_are_never_scheduled(triton_server):
            or m("llm_num_requests_waiting", version="1") > 0):
         assert time.monotonic() < deadline, "cancelled requests were not dropped"
         time.sleep(0.05)
-    time.sleep(0.6)
+    while m("llm_request_finished_total", finish_reason="abort", version="1") - aborts_before < 22:
+        assert time.monotonic() < deadline, "not every cancelled request was counted as aborted"
+        time.sleep(0.05)
     assert m("llm_request_finished_total", finish_reason="abort", version="1") - aborts_before == 22
     assert m("llm_prompt_tokens_total", version="1") - prompt_tokens_before == prompt_tokens_running
     for client in running + waiting:

@@ -272,7 +272,10 @@ def test_metrics_match_what_the_requests_did(client, triton_server):
     length_before = m("llm_request_finished_total", finish_reason="length", version="1")
     v1 = LLMClient(triton_server.grpc_url, triton_server.http_url, version="1")
     outs = [v1.generate(f"Say something about number {i}.", max_tokens=5 + i, ignore_eos=True) for i in range(3)]
-    time.sleep(0.6)  # the model publishes after each batch of outputs and every 0.25 s
+    # The model publishes its metrics after each batch of outputs and every 0.25 s.
+    eventually(lambda: m("llm_generation_tokens_total", version="1") - before["llm_generation_tokens_total"] >= 18
+               and m("llm_request_finished_total", finish_reason="length", version="1") - length_before >= 3
+               and m("llm_kv_cache_blocks_used", version="1") == 0, "the requests' metrics were not published")
     assert m("llm_prompt_tokens_total", version="1") - before["llm_prompt_tokens_total"] == sum(
         o.num_input_tokens for o in outs)
     assert m("llm_generation_tokens_total", version="1") - before["llm_generation_tokens_total"] == 5 + 6 + 7
@@ -319,5 +322,13 @@ def test_prefix_cache_hits_are_counted(client, triton_server):
     assert cached[0].num_cached_tokens == 0 or cached[0].num_cached_tokens < cached[1].num_cached_tokens
     expected = (cached[1].num_input_tokens - 1) // 16 * 16
     assert cached[1].num_cached_tokens == cached[2].num_cached_tokens == expected > 0
-    time.sleep(0.6)
-    assert triton_server.metric("llm_prefix_cache_hits_total", version="2") - hits_before >= 2 * expected
+    eventually(lambda: triton_server.metric("llm_prefix_cache_hits_total", version="2") - hits_before >= 2 * expected,
+               "prefix cache hits were not counted")
+
+
+def eventually(condition, message: str, timeout_s: float = 10.0) -> None:
+    """Polls ``condition`` every 50 ms until it holds; fails with ``message`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
