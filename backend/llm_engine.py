@@ -169,8 +169,7 @@ class LLMEngine:
             thread.join(timeout)
         for request_id in self.output_processor.parent_ids():
             self.abort(request_id)
-        self.output_processor.make_outputs([], self.engine_core.take_inbox(), {})
-        self._publish_stats()
+        self._deliver(self.output_processor.make_outputs([], self.engine_core.take_inbox(), {}))
 
     def _run_loop(self) -> None:
         while True:
@@ -181,8 +180,8 @@ class LLMEngine:
                 self.step()
             except Exception as exc:  # a bug must not kill the loop: fail what is in flight, keep serving
                 log.exception("engine step failed")
-                self.output_processor.make_outputs([], self.engine_core.fail_all(f"engine error: {exc}"), {})
-                self._publish_stats()
+                self._deliver(self.output_processor.make_outputs(
+                    [], self.engine_core.fail_all(f"engine error: {exc}"), {}))
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -198,11 +197,21 @@ class LLMEngine:
             self._last_step = (len(sched.scheduled), sched.num_prefills, sched.total_num_scheduled_tokens)
         stopped = self.output_processor.detokenize(core_out.new_token)
         self.engine_core.finish_on_stop_strings(stopped)
-        outputs = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs)
-        self._publish_stats()
+        deltas = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs)
+        stats = self._deliver(deltas)
         if self.step_log is not None and core_out.sched is not None:
-            self.step_log.append(self._stats)
-        return outputs
+            self.step_log.append(stats)
+        return [out for _, out in deltas]
+
+    def _deliver(self, deltas: list[tuple[queue.Queue, RequestOutput]]) -> EngineStats:
+        """Publishes the stats snapshot, then puts the deltas on their sinks (so a reader of a final delta
+        who asks for stats sees its blocks freed)."""
+        stats = self._make_stats()
+        with self._stats_lock:
+            self._stats = stats
+        for sink, out in deltas:
+            sink.put(out)
+        return stats
 
     def _make_stats(self) -> EngineStats:
         sched = self.engine_core.make_stats()
@@ -214,11 +223,6 @@ class LLMEngine:
             prompt_tokens=out.prompt_tokens, generation_tokens=out.generation_tokens, num_steps=self._num_steps,
             finished=dict(out.finished), last_step_num_scheduled=scheduled, last_step_num_prefills=prefills,
             last_step_num_tokens=tokens, num_computed_tokens=sched.num_computed_tokens, time=time.perf_counter())
-
-    def _publish_stats(self) -> None:
-        stats = self._make_stats()
-        with self._stats_lock:
-            self._stats = stats
 
     # -- helpers ------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | bytes | list[int]) -> list[int]:

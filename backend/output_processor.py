@@ -1,7 +1,7 @@
 """From engine requests to what callers see: detokenization, stop strings, fan-in of ``n`` > 1, sinks.
 
 vLLM v1's ``OutputProcessor``: the engine core hands over the requests that gained a token or ended this
-step; this module turns each into a :class:`RequestOutput` delta and puts it on its caller's sink. It owns
+step; this module turns each into a :class:`RequestOutput` delta for its caller's sink. It owns
 the per-completion state (:class:`RequestState`: detokenizer, parent) and the caller-side counters
 (prompt and generation tokens, finish reasons). It never changes a request: a stop string it finds is
 handed back (:meth:`OutputProcessor.detokenize`) and the engine asks the scheduler to finish the request.
@@ -9,6 +9,7 @@ handed back (:meth:`OutputProcessor.detokenize`) and the engine asks the schedul
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -87,12 +88,12 @@ class OutputProcessor:
         return stopped
 
     def make_outputs(self, with_token: list[Request], without_token: list[Request],
-                     logprobs: dict[str, TokenLogprobs]) -> list[RequestOutput]:
+                     logprobs: dict[str, TokenLogprobs]) -> list[tuple[queue.Queue, RequestOutput]]:
         """Deltas for the requests that gained a token this step and for those that ended without one
-        (aborted, failed), put on their sinks.
+        (aborted, failed); the counters are updated at once, the caller puts the deltas on their sinks.
 
         Returns:
-            The deltas, in that order.
+            (sink, delta) pairs, in that order.
         """
         outputs = []
         for request in with_token:
@@ -106,7 +107,8 @@ class OutputProcessor:
             outputs.append(self._emit(request, [], None))
         return outputs
 
-    def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+    def _emit(self, request: Request, token_ids: list[int],
+              logprobs: list[TokenLogprobs] | None) -> tuple[queue.Queue, RequestOutput]:
         state = self._states[request.request_id]
         parent = state.parent
         finished = request.is_finished
@@ -123,5 +125,4 @@ class OutputProcessor:
                 del self._states[request.request_id]
                 if out.done:
                     del self._parents[parent.request_id]
-        parent.sink.put(out)
-        return out
+        return parent.sink, out
