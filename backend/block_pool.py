@@ -80,7 +80,7 @@ class BlockPool:
                 self._free[block_id] = None
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Adds a reference to each block (a prefix-cache hit or a fork), taking free ones off the free queue."""
+        """Adds a reference to each block (a prefix-cache hit), taking free ones off the free queue."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
                 del self._free[block_id]

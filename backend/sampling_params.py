@@ -22,7 +22,7 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        n: completions for the prompt (parallel sampling: they share the prompt's KV blocks), 1..16.
+        n: completions for the prompt (parallel sampling: they share the prompt's full KV blocks), 1..16.
         max_tokens: most output tokens; None allows up to ``max_model_len``.
         min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
         temperature: 0 means greedy, and so does anything below ``GREEDY_TEMPERATURE`` (1e-5, as vLLM),

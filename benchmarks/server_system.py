@@ -1,8 +1,9 @@
 """Our engine behind a real tritonserver, timed at the client: one thread and one gRPC stream per request,
 each sent at its arrival time; every streamed response is timestamped when the client receives it.
 
-The server runs model ``llm`` (version 2: max_num_seqs 64, max_num_batched_tokens 2048, 1 GiB KV) on the
-default model, with torch's default thread count in its own process. Its running batch is sampled from
+The server runs model ``llm`` version 2, whose ``engine.json`` overrides nothing: ``config.pbtxt``'s settings
+(max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, float32, KV cache sized from free memory:
+20% of it, at most 4 GiB) on the default model, with torch's default thread count in its own process. Its running batch is sampled from
 its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
 """
 
