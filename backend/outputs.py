@@ -1,4 +1,4 @@
-"""What the engine streams back: one delta per request per step."""
+"""What the engine streams back: one delta per completion per step (built by ``backend.output_processor``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ class RequestOutput:
         metrics: timings, on the last delta.
         index: which completion of an ``n`` > 1 request this delta belongs to.
         done: True on the very last delta of the request (all of its completions finished).
-        num_cached_tokens: prompt tokens served from the prefix cache.
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission (for the completions
+            of an ``n`` > 1 request, blocks shared with the other completions count too).
     """
 
     request_id: str
