@@ -160,3 +160,21 @@ def test_completions_do_not_share_with_other_requests_when_caching_is_off(make_e
     run_one(engine, prompt, SamplingParams(n=2, max_tokens=2, temperature=0.0, ignore_eos=True))
     outs = run_one(engine, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert outs[-1].num_cached_tokens == 0
+
+
+def test_failed_forward_pass_leaves_no_blocks_in_the_prefix_cache(make_engine, tiny_model_dir, monkeypatch):
+    """Blocks are registered when allocated, before the forward pass writes them: a failed pass must unregister
+    them, or the next request with the prompt would read K/V that were never written."""
+    engine = make_engine(tiny_model_dir, num_blocks=64)
+    prompt = list(range(100, 100 + 3 * BLOCK))
+
+    def fail(sched):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.model_runner, "execute", fail)
+    outs = run_one(engine, prompt, request_id="failed")
+    assert [o.finish_reason for o in outs] == ["error"] and "device lost" in outs[0].error and outs[0].done
+    monkeypatch.undo()
+    again = run_one(engine, prompt, request_id="again")
+    assert again[-1].finish_reason == "length" and again[-1].num_cached_tokens == 0
+    assert engine.stats().kv.used_blocks == 0
