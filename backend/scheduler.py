@@ -124,7 +124,7 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             request = s.request
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # ended by a shutdown on another thread while the step ran
                 continue
             request.num_computed_tokens += s.num_scheduled_tokens
             token_id = sampled.get(request.request_id)
