@@ -310,7 +310,7 @@ def test_parallel_sampling_streams_each_completion_and_generate_returns_all(clie
     body = {"text_input": PROMPT, "n": 2, "max_tokens": 5, "temperature": 0, "exclude_input_in_output": True}
     both = requests.post(f"{triton_server.http_url}/v2/models/llm/generate", json=body).json()
     assert both["index"] == [0, 1] and both["finish_reason"] == ["length", "length"]
-    assert both["text_output"][0] == both["text_output"][1]  # greedy: forks of one prompt agree
+    assert both["text_output"][0] == both["text_output"][1]  # greedy: completions of one prompt agree
     assert len(both["output_ids"]) == 10
 
 
