@@ -143,7 +143,7 @@ def test_cancelling_parallel_sampling_stops_all_and_frees_every_block(make_engin
     assert engine.kv_cache_manager.pool.num_free_blocks == 16
 
 
-def test_abort_before_the_fork_ends_every_completion(make_engine, tiny_model_dir):
+def test_abort_during_the_prompt_ends_every_completion(make_engine, tiny_model_dir):
     engine = make_engine(tiny_model_dir, num_blocks=64, max_num_batched_tokens=8)
     sink = engine.add_request(list(range(1, 40)), SamplingParams(n=3, max_tokens=5), request_id="early")
     engine.step()  # a first prefill chunk only
