@@ -110,7 +110,7 @@ def test_family_matches_transformers_generate_with_chunked_prefill_and_preemptio
     assert stats.kv.used_blocks == 0
 
 
-@pytest.mark.parametrize("name", ["gemma2-window-softcap", "gpt-oss-sinks-window"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window-softcap", "gpt-oss-sinks-window"])
 def test_triton_kernels_honour_window_softcap_and_sinks_end_to_end(name, family_dir, tokenizer, make_engine):
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter (set by conftest on machines without a GPU)")
