@@ -90,9 +90,11 @@ def check_config(config) -> None:
         if getattr(text_config, name, None):
             raise UnsupportedModelError(f"model type {model_type!r} sets {name} (chunked attention or "
                                         f"non-attention layers), which this engine does not implement")
-    architectures = getattr(config, "architectures", None) or []
-    if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
-        raise UnsupportedModelError(f"model type {model_type!r} ({', '.join(architectures)}) is not a causal LM")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UnsupportedModelError(f"model type {model_type!r} has no causal-LM class in transformers "
+                                    f"(AutoModelForCausalLM); this engine serves causal LMs")
 
 
 def inspect_attention(model: torch.nn.Module) -> ModelAttention:
