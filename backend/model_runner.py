@@ -56,7 +56,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         # The compact decoder where the architecture allows (fused GEMMs, prepacked weights); else the
         # unmodified transformers model with paged attention plugged into its AttentionInterface.
-        self.decoder = build_decoder(model, max_model_len) if compact else None
+        self.decoder = build_decoder(model, max_model_len, cpu_kernel) if compact else None
         self.model = None if self.decoder is not None else model
         if self.model is not None:
             model.set_attn_implementation(ATTENTION_NAME)

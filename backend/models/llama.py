@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from backend.attention import AttentionMetadata, paged_attention
-from backend.models.layers import Linear, RMSNorm, fuse_linears, rotate, silu_and_mul
+from backend.models.layers import Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -38,8 +38,9 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, hf_layer, config, layer_idx: int) -> None:
+    def __init__(self, hf_layer, config, layer_idx: int, cpu_kernels: bool) -> None:
         super().__init__()
+        self.cpu_kernels = cpu_kernels
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -48,18 +49,21 @@ class DecoderLayer(torch.nn.Module):
         self.scale = attn.scaling
         self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
-        self.k_norm = RMSNorm(attn.k_norm.weight, attn.k_norm.variance_epsilon) if hasattr(attn, "k_norm") else None
+        self.q_norm = self.k_norm = None
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
+            self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon, cpu_kernels)
+            self.k_norm = RMSNorm(attn.k_norm.weight, attn.k_norm.variance_epsilon, cpu_kernels)
         self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj)
         self.down_proj = Linear(mlp.down_proj.weight)
-        self.input_layernorm = RMSNorm(hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon)
+        self.input_layernorm = RMSNorm(hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon,
+                                       cpu_kernels)
         self.post_attention_layernorm = RMSNorm(hf_layer.post_attention_layernorm.weight,
-                                                hf_layer.post_attention_layernorm.variance_epsilon)
+                                                hf_layer.post_attention_layernorm.variance_epsilon, cpu_kernels)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden.clone()
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
@@ -70,12 +74,12 @@ class DecoderLayer(torch.nn.Module):
         k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k = self.q_norm(q, out=q), self.k_norm(k, out=k)
+        q, k = apply_rotary(q, k, cos, sin, self.cpu_kernels)
         attn = paged_attention(q, k, v, self.layer_idx, self.scale, meta)
         hidden = self.o_proj(attn.view(num_tokens, q_size))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden), self.cpu_kernels))
         return hidden, residual
 
 
@@ -86,14 +90,15 @@ class LlamaDecoder(torch.nn.Module):
     first); the transformers model can be dropped afterwards (its embedding table is shared, not copied).
     """
 
-    def __init__(self, hf_model, max_model_len: int) -> None:
+    def __init__(self, hf_model, max_model_len: int, cpu_kernels: bool = False) -> None:
         super().__init__()
         config = hf_model.config
         inner = hf_model.model
         self.config = config
         self.embed_tokens = inner.embed_tokens
-        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i) for i, layer in enumerate(inner.layers))
-        self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon)
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels)
+                                          for i, layer in enumerate(inner.layers))
+        self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
         self.lm_head = Linear(hf_model.lm_head.weight, getattr(hf_model.lm_head, "bias", None))
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
@@ -114,8 +119,8 @@ class LlamaDecoder(torch.nn.Module):
             ``[num_logits, vocab_size]`` logits in the model's dtype.
         """
         hidden = self.embed_tokens(input_ids)
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        cos = self.cos_cache.index_select(0, positions)  # [num_tokens, head_dim]
+        sin = self.sin_cache.index_select(0, positions)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)

@@ -2,6 +2,10 @@
 
 - ``paged_decode_attention``: one query token per sequence over the paged KV cache, reading each block in
   place through the block table (no gather), fp32 softmax and accumulation.
+- ``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``: the elementwise parts of a
+  Llama-family layer, one pass each instead of eager torch's chains of small operations (on two cores at
+  batch 64 those chains cost more than the GEMMs). Each rounds where transformers' modules round, so bf16
+  results follow transformers' and fp32 results equal them up to summation order.
 
 :func:`load` compiles once per source version (about 40 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (torch's
 default: ``~/.cache/torch_extensions``); later processes load the cached library in well under a second.
@@ -10,6 +14,7 @@ default: ``~/.cache/torch_extensions``); later processes load the cached library
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -17,7 +22,16 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = ("common.h", "paged_attention.cpp", "rms_norm.cpp", "rotary.cpp", "activation.cpp")
+FUNCTIONS = ["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+def _translation_unit() -> str:
+    """All sources as one translation unit (one parse of torch's headers: half the compile time of five), with
+    ``common.h`` inlined so that editing it changes the text torch hashes to decide on a rebuild."""
+    parts = [(HERE / name).read_text() for name in SOURCES]
+    return "\n".join(part.replace('#include "common.h"', "") for part in parts)
 
 
 @functools.cache
@@ -26,14 +40,18 @@ def load():
     from torch.utils.cpp_extension import load_inline
 
     begin = time.perf_counter()
+    source = _translation_unit()
+    # The name carries the source's hash: checkouts of different versions (or worktrees) sharing one
+    # extensions directory then keep their own builds instead of rebuilding over each other.
+    name = "llm_backend_cpu_kernels_" + hashlib.sha256(source.encode()).hexdigest()[:12]
     try:
         module = load_inline(
-            name="llm_backend_cpu_kernels", cpp_sources=[SOURCE.read_text()], functions=["paged_decode_attention"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            name=name, cpp_sources=[source], functions=FUNCTIONS,
+            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or headers: the engine falls back to gather + SDPA
-        log.warning("CPU attention kernel unavailable (%s); using gather + SDPA", str(exc).splitlines()[0])
+        log.warning("CPU kernels unavailable (%s); using torch operations", str(exc).splitlines()[0])
         return None
-    log.info("CPU attention kernel ready in %.1f s", time.perf_counter() - begin)
+    log.info("CPU kernels ready in %.1f s", time.perf_counter() - begin)
     return module
 
 
@@ -54,9 +72,71 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     Raises:
         RuntimeError: the extension could not be built, or shapes / dtypes / layouts do not match.
     """
+    out = torch.empty_like(q) if out is None else out
+    _module().paged_decode_attention(out, q.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+    return out
+
+
+def _module():
     module = load()
     if module is None:
-        raise RuntimeError("the CPU attention kernel could not be built on this machine")
-    out = torch.empty_like(q) if out is None else out
-    module.paged_decode_attention(out, q.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+        raise RuntimeError("the CPU kernels could not be built on this machine")
+    return module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the last dimension, as transformers' ``LlamaRMSNorm`` computes it.
+
+    Args:
+        x: ``[rows, d]`` or ``[rows, heads, d]``, unit stride in ``d`` (views into a fused QKV output work).
+        weight: ``[d]`` contiguous, ``x``'s dtype. eps: added to the mean square.
+        out: where to write, ``x``'s shape and dtype (may be ``x`` itself); a new tensor when None.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        RuntimeError: the extension could not be built, or shapes / dtypes / strides do not match.
+    """
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    unsqueeze = x.dim() == 2
+    _module().rms_norm(out.unsqueeze(1) if unsqueeze else out, x.unsqueeze(1) if unsqueeze else x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` (vLLM's ``fused_add_rms_norm``).
+
+    Args:
+        x, residual: ``[rows, d]``, unit stride in ``d``, one dtype; weight ``[d]`` contiguous.
+
+    Raises:
+        RuntimeError: the extension could not be built, or shapes / dtypes / strides do not match.
+    """
+    _module().fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary position embedding (Su et al. 2021), rotate-half layout, in place on ``query`` and ``key``.
+
+    Args:
+        query: ``[tokens, num_heads, head_dim]``; key: ``[tokens, num_kv_heads, head_dim]``; both with unit
+            stride in ``head_dim`` (views into the fused QKV output work).
+        cos, sin: ``[tokens, head_dim]`` contiguous, each token's row of the rotary tables; one dtype throughout.
+
+    Raises:
+        RuntimeError: the extension could not be built, or shapes / dtypes / strides do not match.
+    """
+    _module().rotary_embedding(query, key, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020): ``[tokens, 2 * d]`` (gate, then up; unit stride in the last dimension) ->
+    ``silu(gate) * up``, ``[tokens, d]`` contiguous.
+
+    Raises:
+        RuntimeError: the extension could not be built, or shapes / dtypes / strides do not match.
+    """
+    out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+    _module().silu_and_mul(out, gate_up)
     return out

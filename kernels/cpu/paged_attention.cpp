@@ -2,50 +2,16 @@
 // block table (PagedAttention, Kwon et al. SOSP 2023, sec. 4.1; vLLM's csrc/cpu has the same shape).
 // One task per (sequence, KV head): the query heads that share the KV head (grouped-query attention) are
 // scored together, so each key and value row is loaded once. Scores and accumulators are fp32.
-#include <torch/extension.h>
+#include "common.h"
+
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+namespace llm_cpu {
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// e^x for x <= 0 (softmax numerators after subtracting the maximum), written so the compiler can vectorize it
-// (std::exp is a scalar call per element): 2^(x log2 e) split into an integer power, set in the exponent
-// bits, and a degree-6 polynomial for 2^f, f in [0, 1); relative error below 2e-7.
-inline float exp_nonpositive(float x) {
-  float y = std::max(x * 1.44269504088896341f, -126.f);
-  float n = std::floor(y);
-  float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }
 
 template <typename T>
 void decode_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
@@ -109,6 +75,7 @@ void decode_kernel(T* out, const T* q, const T* key_cache, const T* value_cache,
 }
 
 }  // namespace
+}  // namespace llm_cpu
 
 // out, q: [batch, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64 (keys 0..seq_len-1 are attended).
@@ -123,17 +90,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
-  const auto run = [&](auto* typed) {
-    using T = std::remove_pointer_t<decltype(typed)>;
-    decode_kernel<T>(reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(q.data_ptr()),
+  llm_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    llm_cpu::decode_kernel<T>(reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(q.data_ptr()),
                      reinterpret_cast<const T*>(key_cache.data_ptr()), reinterpret_cast<const T*>(value_cache.data_ptr()),
                      block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), batch, num_heads, num_kv_heads,
                      head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
-  }
+  });
 }

@@ -1,0 +1,75 @@
+// Shared by the CPU kernels: scalar conversions the compiler can vectorize, and a vectorizable exp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace llm_cpu {
+
+// bfloat16 values are handled as their raw bits: the compiler vectorizes loads, stores and conversions of
+// uint16_t, not of c10::BFloat16 (a class).
+using bf16 = uint16_t;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// Rounds to T as torch does (round to nearest, ties to even), so a fused kernel rounds where eager torch
+// would. The bf16 case is integer arithmetic on the bits, which the compiler vectorizes.
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+template <>
+inline bf16 from_float<bf16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<bf16>(bits >> 16);
+}
+
+// Rounds through T and back: the value eager torch holds after an operation whose result has dtype T.
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+template <>
+inline float round_to<float>(float x) { return x; }
+
+// e^x for x <= 0, written so the compiler can vectorize it (std::exp is a scalar call per element):
+// 2^(x log2 e) split into an integer power, set in the exponent bits, and a degree-6 polynomial for 2^f,
+// f in [0, 1); relative error below 2e-7.
+inline float exp_nonpositive(float x) {
+  float y = std::max(x * 1.44269504088896341f, -126.f);
+  float n = std::floor(y);
+  float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Calls body(T* tag) with the C++ element type of a float32, bfloat16 (as bf16 bits) or float16 tensor.
+template <typename Body>
+void dispatch_float_types(at::ScalarType type, const char* name, Body body) {
+  switch (type) {
+    case at::kFloat: body(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: body(static_cast<bf16*>(nullptr)); break;
+    case at::kHalf: body(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
+}  // namespace llm_cpu

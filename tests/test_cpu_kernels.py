@@ -1,0 +1,101 @@
+"""The C++ layer kernels of kernels/cpu against the arithmetic of transformers' own modules.
+
+Each kernel rounds where transformers rounds, so in bf16 the results equal transformers' (rotary bit for bit;
+the norms up to the last bit of an fp32 sum) and in fp32 they agree to rounding.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+import kernels.cpu
+
+pytestmark = pytest.mark.skipif(kernels.cpu.load() is None, reason="no C++ compiler for kernels/cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = LlamaRMSNorm(weight.shape[0], eps=eps).to(weight.dtype)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # equal but for values where an fp32 sum's last bit moves the bf16 rounding: one bf16 step at most
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_equals_transformers(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(37, 96) * 3).to(dtype)
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    _close(kernels.cpu.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_rms_norm_in_place_on_a_strided_view(dtype):
+    """Qwen3's q norm: heads of a fused QKV row, normalized in place; the K/V columns are left alone."""
+    torch.manual_seed(1)
+    qkv = torch.randn(5, 4 * 16 + 2 * 2 * 16).to(dtype)
+    before = qkv.clone()
+    q = qkv[:, :64].view(5, 4, 16)
+    weight = (torch.rand(16) + 0.5).to(dtype)
+    want = _hf_rms_norm(before[:, :64].view(5, 4, 16), weight, 1e-6)
+    kernels.cpu.rms_norm(q, weight, 1e-6, out=q)
+    _close(qkv[:, :64].view(5, 4, 16), want, dtype)
+    assert torch.equal(qkv[:, 64:], before[:, 64:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_updates_the_residual_and_normalizes_it(dtype):
+    torch.manual_seed(2)
+    x, residual = torch.randn(19, 64).to(dtype), torch.randn(19, 64).to(dtype)
+    weight = (torch.rand(64) + 0.5).to(dtype)
+    want_residual = residual + x
+    want = _hf_rms_norm(want_residual, weight, 1e-5)
+    kernels.cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # one rounding, as eager torch's add
+    _close(x, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_the_fused_qkv_output_equals_transformers(dtype):
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, head_dim = 7, 6, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    before = qkv.clone()
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 50
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None].clone(), k.transpose(0, 1)[None].clone(),
+                                          cos[None], sin[None])
+    kernels.cpu.rotary_embedding(q, k, cos, sin)
+    if dtype == torch.float32:  # the compiler may fuse a multiply and an add: one rounding fewer
+        torch.testing.assert_close(q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(q, want_q[0].transpose(0, 1)) and torch.equal(k, want_k[0].transpose(0, 1))
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_swiglu(dtype):
+    torch.manual_seed(4)
+    gate_up = (torch.randn(11, 2 * 80) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # sigmoid's saturated ends and zero
+    want = F.silu(gate_up[:, :80]) * gate_up[:, 80:]
+    _close(kernels.cpu.silu_and_mul(gate_up), want, dtype)
+
+
+def test_kernels_reject_mismatched_shapes():
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        kernels.cpu.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        kernels.cpu._module().silu_and_mul(torch.empty(4, 5), torch.randn(4, 8))
