@@ -25,6 +25,7 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_cache_manager import KVCacheManager, KVCacheUsage
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, kv_bytes_per_block
+from backend.model_support import inspect_attention
 from backend.outputs import RequestMetrics, RequestOutput
 from backend.prompt_limits import check_prompt_bytes, max_prompt_bytes
 from backend.request import Request, RequestStatus
@@ -82,12 +83,15 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, config.device)
         model, self.tokenizer = load_model(config.model, self.dtype, config.device)
         self.model_config = model.config
+        self.model_attention = inspect_attention(model)  # refuses what the engine cannot run exactly
+        log.info("%s attention: %s", model.config.model_type, self.model_attention.describe())
         self.max_model_len = config.max_model_len or min(
             getattr(model.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               sliding_window=self.model_attention.uniform_sliding_window)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         on_cuda = model.device.type == "cuda"
         use_kernels = config.use_kernels if config.use_kernels is not None else on_cuda

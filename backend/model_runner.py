@@ -93,6 +93,7 @@ class ModelRunner:
         tables = [self.kv.block_tables[r.request_id] for r in requests]
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        block_tables.clamp_(min=0)  # NULL_BLOCK entries (freed behind a sliding window) are masked out: any id will do
         slot_mapping = (block_tables[row_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
 
