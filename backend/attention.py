@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from backend.attention_options import PLAIN, AttentionOptions, attention_options, paged_variant_attention
+
 ATTENTION_NAME = "paged_attention"
 
 
@@ -102,13 +104,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Args:
         query: ``[1, num_heads, num_tokens, head_dim]`` (all scheduled tokens packed, no padding).
         key, value: ``[1, num_kv_heads, num_tokens, head_dim]``.
-        kwargs: must hold ``attention_metadata`` (an :class:`AttentionMetadata` subclass).
+        kwargs: must hold ``attention_metadata`` (an :class:`AttentionMetadata` subclass); ``sliding_window``,
+            ``softcap`` and ``s_aux`` (sinks) are honoured, see :mod:`backend.attention_options`.
 
     Returns:
         ``([1, num_tokens, num_heads, head_dim], None)``.
 
     Raises:
         RuntimeError: called without ``attention_metadata`` (the model was run outside the engine).
+        UnsupportedAttentionError: a keyword this engine does not implement (never silently ignored).
     """
     meta: AttentionMetadata | None = kwargs.get("attention_metadata")
     if meta is None:
@@ -117,17 +121,21 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    return paged_attention(q, k, v, module.layer_idx, scale, meta).unsqueeze(0), None
+    options = attention_options(module, {"dropout": dropout, **kwargs})
+    return paged_attention(q, k, v, module.layer_idx, scale, meta, options).unsqueeze(0), None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, options: AttentionOptions = PLAIN) -> torch.Tensor:
     """Writes this step's K/V of layer ``layer_idx`` into the paged pool and attends over each request's blocks.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``; k, v: ``[num_tokens, num_kv_heads, head_dim]`` (any strides).
         scale: the softmax scale, usually ``head_dim ** -0.5``.
         meta: :class:`KernelAttentionMetadata` (Triton kernels) or :class:`TorchAttentionMetadata`.
+        options: the layer's sliding window, soft-cap and sinks; layers with any of them take the Triton kernels'
+            parameters or, on the torch path, :func:`backend.attention_options.paged_variant_attention` (the C++
+            decode kernel does plain causal attention only).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``, contiguous.
@@ -138,9 +146,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
 
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                               meta.cu_seqlens_q, meta.seq_lens, scale)
+                                               meta.cu_seqlens_q, meta.seq_lens, scale,
+                                               sliding_window=options.sliding_window, softcap=options.softcap,
+                                               sinks=options.sinks)
 
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    if not options.is_plain:
+        return paged_variant_attention(q, key_cache, value_cache, meta, options, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes and meta.cpu_kernel:
         import kernels.cpu

@@ -49,8 +49,11 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, model, max_model_len: int, num_blocks: int, use_kernels: bool,
-                 cpu_kernel: bool) -> None:
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+                 cpu_kernel: bool, sliding_window: int | None = None) -> None:
+        """``sliding_window``: the window every layer of the model attends through, if any (the KV cache
+        manager then frees the blocks behind it)."""
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               sliding_window=sliding_window)
         self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len)
         self.model_runner = ModelRunner(model, num_blocks, config.block_size, use_kernels, max_model_len,
                                         compact=config.model_impl == "auto", cpu_kernel=cpu_kernel)

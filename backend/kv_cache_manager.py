@@ -15,6 +15,9 @@ from backend.block_pool import BlockKey, BlockPool
 from backend.request import Request
 from backend.utils import cdiv
 
+NULL_BLOCK = -1
+"""A block-table entry whose block was freed because it fell wholly behind the sliding window (never read)."""
+
 
 @dataclass(frozen=True)
 class KVCacheUsage:
@@ -45,11 +48,18 @@ class KVCacheManager:
     share it. A request with a ``cache_salt`` hashes the salt into its first block: it shares only with
     requests of the same salt, and it does so even when prefix caching is off (the completions of one
     ``n`` > 1 request share their prompt that way).
+
+    With ``sliding_window`` W (a model whose every layer attends through the same window), a query at position
+    p reads keys p - W + 1 .. p only, so before each allocation the blocks wholly behind the window of the next
+    token to compute are freed and their entries become :data:`NULL_BLOCK`: a request holds at most
+    ``cdiv(W - 1 + chunk, block_size) + 1`` blocks whatever its length (vLLM's SlidingWindowManager does the
+    same). Freed full blocks stay in the prefix cache until evicted, like any freed block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 pool: BlockPool | None = None) -> None:
+                 pool: BlockPool | None = None, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = pool or BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
@@ -98,6 +108,8 @@ class KVCacheManager:
         done = self._num_cached_blocks.get(request.request_id, 0)
         full = min(num_tokens // self.block_size, len(table))
         for i in range(done, full):
+            if table[i] == NULL_BLOCK:  # a prefix-cache hit behind the window, left free
+                continue
             block_hash, key = self._block_hash(request, i)
             self.pool.cache(table[i], block_hash, key)
         self._num_cached_blocks[request.request_id] = max(done, full)
@@ -127,17 +139,40 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         table = self.block_tables.get(request.request_id, [])
         first = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        behind = self._blocks_behind_window(first)
+        # Prefix-cache hits behind the window are not needed: left free, their entries null.
+        computed_blocks = [NULL_BLOCK if len(table) + i < behind else b for i, b in enumerate(computed_blocks)]
         new_blocks = cdiv(first + num_new_tokens, self.block_size) - len(table) - len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)  # free now, in use after
-        if max(new_blocks, 0) + revived > self.pool.num_free_blocks:
+        revived = sum(1 for b in computed_blocks if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
+        released = sum(1 for b in table[:behind] if b != NULL_BLOCK and self.pool.ref_counts[b] == 1)
+        if max(new_blocks, 0) + revived > self.pool.num_free_blocks + released:
             return False
-        self.pool.touch(computed_blocks)
+        self.pool.touch([b for b in computed_blocks if b != NULL_BLOCK])
         table = self.block_tables.setdefault(request.request_id, table)
         table.extend(computed_blocks)
+        dropped = [b for b in table[:behind] if b != NULL_BLOCK]
+        if dropped:  # before allocating, so this request's own old blocks can be reused at once
+            table[:behind] = [NULL_BLOCK] * behind
+            self.pool.free(dropped[::-1])
         if new_blocks > 0:
             table.extend(self.pool.allocate(new_blocks))
         self._cache_full_blocks(request, first + num_new_tokens)
         return True
+
+    def _blocks_behind_window(self, first: int) -> int:
+        """How many leading blocks hold only tokens before ``first - sliding_window + 1``, the oldest key the
+        query at position ``first`` (the next to compute) can see; 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_per_request(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens computed ``chunk`` tokens a step at a time ever
+        holds: all of them, or with a sliding window W those under ``W - 1 + chunk`` tokens (+1 for alignment)."""
+        full = self.blocks_for_tokens(num_tokens)
+        if self.sliding_window is None:
+            return full
+        return min(full, cdiv(self.sliding_window - 1 + min(chunk, num_tokens), self.block_size) + 1)
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """Returns all of the request's blocks to the pool (a no-op when it holds none).
@@ -151,10 +186,10 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         if table:
             if uncache:
-                self.pool.uncache(table)
+                self.pool.uncache([b for b in table if b != NULL_BLOCK])
             # Last block first: it joins the free queue first, so it is evicted first (the tail of a
             # prompt is the least likely part to be shared).
-            self.pool.free(table[::-1])
+            self.pool.free([b for b in table[::-1] if b != NULL_BLOCK])
 
     def usage(self) -> KVCacheUsage:
         pool = self.pool

@@ -27,6 +27,7 @@ from backend.config import EngineConfig, resolve_dtype
 from backend.engine_core import EngineCore
 from backend.model_loader import load_model
 from backend.model_runner import kv_bytes_per_block
+from backend.model_support import inspect_attention
 from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.parallel_sampling import ParentRequest
@@ -64,6 +65,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, config.device)
         model, self.tokenizer = load_model(config.model, self.dtype, config.device)
         self.model_config = model.config
+        self.model_attention = inspect_attention(model)  # refuses what the engine cannot run exactly
+        log.info("%s attention: %s", model.config.model_type, self.model_attention.describe())
         self.max_model_len = config.max_model_len or min(
             getattr(model.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
@@ -72,7 +75,8 @@ class LLMEngine:
         on_cuda = model.device.type == "cuda"
         use_kernels = config.use_kernels if config.use_kernels is not None else on_cuda
         cpu_kernel = config.use_kernels is None and not on_cuda and _cpu_kernels_available()
-        self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel)
+        self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel,
+                                      sliding_window=self.model_attention.uniform_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The core's parts, for tests and tools that inspect them.
         self.kv_cache_manager = self.engine_core.kv_cache_manager

@@ -91,10 +91,15 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32", device: 
 
     Raises:
         FileNotFoundError: see :func:`resolve_model_dir`.
+        UnsupportedModelError: an architecture the engine cannot drive (checked before the weights are read;
+            see :func:`backend.model_support.check_config`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from backend.model_support import check_config
 
     directory = resolve_model_dir(model)
+    check_config(AutoConfig.from_pretrained(directory))
     tokenizer = AutoTokenizer.from_pretrained(directory)
     lm = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
     return lm, tokenizer

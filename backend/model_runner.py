@@ -92,6 +92,7 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in scheduled)
         block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled],
                                     dtype=torch.long)
+        block_tables.clamp_(min=0)  # null entries (freed behind a sliding window) are masked out: any id will do
         slot_mapping = (block_tables[row_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
 

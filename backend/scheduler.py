@@ -45,7 +45,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                              f"max_model_len ({self.max_model_len})")
-        blocks = self.kv.blocks_for_tokens(total)
+        blocks = self.kv.max_blocks_per_request(total, self.max_num_batched_tokens)
         if blocks > self.kv.num_blocks:
             raise ValueError(f"request needs {blocks} KV blocks ({total} tokens) but the whole KV cache has "
                              f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens")

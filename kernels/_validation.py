@@ -68,3 +68,18 @@ def check_same_device(**tensors):
 def last_dim_contiguous(tensor):
     """The kernels index the last dimension with stride 1; copy only if it is not."""
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def check_variants(sliding_window, softcap, sinks, num_heads, query):
+    """Check the attention variants; return sinks as a contiguous fp32 tensor on query's device (or None)."""
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, 1)
+    if sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
+    check_same_device(query=query, sinks=sinks)
+    return sinks.detach().float().contiguous()

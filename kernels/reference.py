@@ -30,34 +30,48 @@ def gather_context(cache, block_table, context_len):
     return cache[blocks].flatten(0, 1)[:context_len]
 
 
-def _attend(query, key, value, scale, query_positions):
+def _attend(query, key, value, scale, query_positions, sliding_window=None, softcap=None, sinks=None):
     """Causal attention of queries at query_positions over keys at positions 0..len(key)-1.
 
     query [q_len, num_heads, head_dim]; key/value [context_len, num_kv_heads, head_dim].
+    A window W keeps keys position - W + 1 .. position; softcap c maps logits to
+    c * tanh(logits / c); sinks [num_heads] join each softmax as one extra logit
+    that attends to nothing.
     """
     group = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(group, dim=1)
     value = value.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     key_positions = torch.arange(key.shape[0], device=query.device)
     allowed = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), value)
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, value)
     return out.to(query.dtype)
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
-    """One query token per sequence attending to its seq_lens[i] cached tokens."""
+def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                           sliding_window=None, softcap=None, sinks=None):
+    """One query token per sequence attending to its seq_lens[i] cached tokens (the last W with a window)."""
     out = torch.empty_like(query)
     for i, context_len in enumerate(seq_lens.tolist()):
         key = gather_context(key_cache, block_tables[i], context_len)
         value = gather_context(value_cache, block_tables[i], context_len)
         position = torch.tensor([context_len - 1], device=query.device)
-        out[i] = _attend(query[i : i + 1], key, value, scale, position)[0]
+        out[i] = _attend(query[i : i + 1], key, value, scale, position, sliding_window, softcap, sinks)[0]
     return out
 
 
-def paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                            sliding_window=None, softcap=None, sinks=None):
     """Packed variable-length queries attending causally to their cached context."""
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
@@ -68,5 +82,5 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seql
         key = gather_context(key_cache, block_tables[i], context_len)
         value = gather_context(value_cache, block_tables[i], context_len)
         positions = torch.arange(context_len - (end - begin), context_len, device=query.device)
-        out[begin:end] = _attend(query[begin:end], key, value, scale, positions)
+        out[begin:end] = _attend(query[begin:end], key, value, scale, positions, sliding_window, softcap, sinks)
     return out

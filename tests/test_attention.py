@@ -13,11 +13,11 @@ from kernels import reference
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 64, 4, 2, 6, 8
 
 
-def decode_inputs(seq_lens: list[int], seed: int):
+def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM):
     """Random pool, scattered block tables padded with block 0, and the engine's key mask."""
     gen = torch.Generator().manual_seed(seed)
-    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen)
+    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen)
     max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
@@ -26,7 +26,7 @@ def decode_inputs(seq_lens: list[int], seed: int):
         tables[i, :used] = torch.tensor([order.pop() for _ in range(used)])
     lens = torch.tensor(seq_lens)
     mask = (torch.arange(max_blocks * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
-    query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen)
+    query = torch.randn(len(seq_lens), NUM_HEADS, head_dim, generator=gen)
     return query, key_cache, value_cache, tables, lens, mask
 
 
@@ -53,23 +53,31 @@ def test_workspace_grows_and_is_reused():
     assert bigger.shape[0] == 5 and workspace.get(0, like, 4) is bigger
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_reads_blocks_in_place_like_the_reference(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])  # 64 and 128 take the tiled kernel in fp32 and bf16
+def test_cpu_kernel_reads_blocks_in_place_like_the_reference(dtype, head_dim):
     """kernels/cpu's decode attention (compiled here) equals the per-sequence reference over scattered blocks,
-    GQA, and context lengths from one token to several blocks."""
+    GQA, and context lengths from one token to several 16-token tiles, tiles straddling blocks; a batch of 8
+    (all KV heads of a sequence in one task) and of 2 (one task per KV head)."""
     import kernels.cpu
 
     if kernels.cpu.load() is None:
         pytest.skip("no C++ compiler on this machine")
-    seq_lens = [1, 3, 4, 5, 17, 30]
-    query, key_cache, value_cache, tables, lens, _ = decode_inputs(seq_lens, seed=3)
+    for seq_lens in ([1, 3, 4, 5, 16, 17, 30, 49], [33, 2]):
+        _check_cpu_kernel(seq_lens, dtype, head_dim)
+
+
+def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int) -> None:
+    import kernels.cpu
+
+    query, key_cache, value_cache, tables, lens, _ = decode_inputs(seq_lens, seed=3, head_dim=head_dim)
     query, key_cache, value_cache = query.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
     got = kernels.cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
     for i, n in enumerate(seq_lens):
-        keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].float()
-        values = value_cache[tables[i]].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:n].float()
-        q = query[i].float().view(NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM)
+        keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()
+        values = value_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()
+        q = query[i].float().view(NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, head_dim)
         scores = torch.einsum("hgd,thd->hgt", q, keys) * 0.3
-        want = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values).reshape(NUM_HEADS, HEAD_DIM)
+        want = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values).reshape(NUM_HEADS, head_dim)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i].float(), want, atol=tolerance, rtol=tolerance)

@@ -71,7 +71,7 @@ from kernels.reshape_and_cache import _reshape_and_cache_kernel
 def compile_for_sm90(kernel, dtype, **constants):
     types = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
              "slot_mapping_ptr": "*i64", "split_out_ptr": "*fp32", "split_max_ptr": "*fp32",
-             "split_sum_ptr": "*fp32", "scale": "fp32"}
+             "split_sum_ptr": "*fp32", "scale": "fp32", "softcap": "fp32", "sinks_ptr": "*fp32"}
     names = kernel.arg_names
     # other pointers hold the attention dtype; other scalars (strides, counts) are i32
     signature = {name: types.get(name, "*" + dtype if name.endswith("_ptr") else "i32") for name in names}
@@ -80,12 +80,15 @@ def compile_for_sm90(kernel, dtype, **constants):
     triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
 
 for dtype, head_dim in (("fp16", 128), ("bf16", 64), ("fp32", 64)):
-    for num_splits in (1, 4):
-        compile_for_sm90(_decode_split_kernel, dtype, QUERIES_PER_KV=4, HEAD_GROUP=16, BLOCK_SIZE=16,
-                         HEAD_DIM=head_dim, TILE_N=64, NUM_SPLITS=num_splits)
-    compile_for_sm90(_combine_splits_kernel, dtype, HEAD_DIM=head_dim, NUM_SPLITS=5, SPLITS_POW2=8)
-    compile_for_sm90(_prefill_kernel, dtype, QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_M=64,
-                     TILE_N=64)
+    for variants in (False, True):  # plain, and with window + soft-cap + sinks
+        flags = dict(USE_WINDOW=variants, USE_SOFTCAP=variants, USE_SINKS=variants)
+        for num_splits in (1, 4):
+            compile_for_sm90(_decode_split_kernel, dtype, QUERIES_PER_KV=4, HEAD_GROUP=16, BLOCK_SIZE=16,
+                             HEAD_DIM=head_dim, TILE_N=64, NUM_SPLITS=num_splits, **flags)
+        compile_for_sm90(_combine_splits_kernel, dtype, HEAD_DIM=head_dim, NUM_SPLITS=5, SPLITS_POW2=8,
+                         USE_SINKS=variants)
+        compile_for_sm90(_prefill_kernel, dtype, QUERIES_PER_KV=4, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_M=64,
+                         TILE_N=64, **flags)
     compile_for_sm90(_reshape_and_cache_kernel, dtype, BLOCK_SIZE=32, HEAD_DIM=head_dim)
 """
 
@@ -314,6 +317,89 @@ def test_prefill_after_reshape_and_cache_matches_decode():
     )
     assert_close(prefill[cu_seqlens_q[1:] - 1], decode)
     assert_close(prefill, reference.paged_prefill_attention(*args))
+
+
+# ---------------------------------------------------------------- windows, soft-capping, sinks
+
+VARIANT_CASES = [
+    # sliding_window, softcap, sinks, num_splits (decode)
+    (8, None, False, 1),  # window smaller than a tile and than most contexts
+    (70, None, False, 3),  # window spanning tiles, split-K over the window only
+    (None, 5.0, False, 1),  # soft-capping alone (Gemma 2: logits squashed into (-5, 5))
+    (None, None, True, 2),  # sinks, added once in the combine pass
+    (8, 5.0, True, 1),  # all three, sinks in the single split
+]
+
+
+def null_blocks_outside_window(block_tables, seq_lens, block_size, window):
+    """The engine's freed blocks: entries wholly before every query's window point at NaN block 0."""
+    tables = block_tables.clone()
+    for i, seq_len in enumerate(seq_lens):
+        tables[i, : max(0, seq_len - window) // block_size] = 0
+    return tables
+
+
+def variant_args(sliding_window, softcap, sinks, num_heads, generator):
+    sinks = random_tensor((num_heads,), torch.float32, generator) * 2 if sinks else None
+    return dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.parametrize("sliding_window, softcap, sinks, num_splits", VARIANT_CASES)
+def test_decode_attention_variants_match_reference(sliding_window, softcap, sinks, num_splits):
+    generator = torch.Generator().manual_seed(6)
+    block_size, num_kv_heads, queries_per_kv, head_dim, dtype = 8, 2, 4, 16, torch.float32
+    seq_lens = [1, 8, 9, 30, 150]
+    key_cache, value_cache = make_caches(block_size, num_kv_heads, head_dim, dtype)
+    block_tables = make_block_tables(seq_lens, block_size, generator)
+    fill_context(key_cache, value_cache, block_tables, seq_lens, generator)
+    query = random_tensor((len(seq_lens), num_kv_heads * queries_per_kv, head_dim), dtype, generator) * 3
+    variants = variant_args(sliding_window, softcap, sinks, num_kv_heads * queries_per_kv, generator)
+    kernel_tables = block_tables
+    if sliding_window is not None:
+        kernel_tables = null_blocks_outside_window(block_tables, seq_lens, block_size, sliding_window)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+    out = kernels.paged_decode_attention(query, key_cache, value_cache, kernel_tables, seq_lens, 0.25, num_splits,
+                                         **variants)
+    expected = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.25,
+                                                **variants)
+    assert_close(out, expected)
+    plain = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.25)
+    assert not torch.allclose(expected, plain, atol=1e-3)  # the variant changes the result
+
+
+@pytest.mark.parametrize("sliding_window, softcap, sinks, num_splits", VARIANT_CASES)
+def test_prefill_attention_variants_match_reference(sliding_window, softcap, sinks, num_splits):
+    generator = torch.Generator().manual_seed(7)
+    block_size, num_kv_heads, queries_per_kv, head_dim, dtype = 8, 2, 2, 16, torch.float32
+    batch = [(30, 70), (0, 21), (17, 1), (0, 1), (60, 9)]  # (cached prefix, new tokens)
+    seq_lens = [prefix + new for prefix, new in batch]
+    key_cache, value_cache = make_caches(block_size, num_kv_heads, head_dim, dtype)
+    block_tables = make_block_tables(seq_lens, block_size, generator)
+    fill_context(key_cache, value_cache, block_tables, seq_lens, generator)
+    num_heads = num_kv_heads * queries_per_kv
+    query = random_tensor((sum(new for _, new in batch), num_heads, head_dim), dtype, generator) * 3
+    variants = variant_args(sliding_window, softcap, sinks, num_heads, generator)
+    kernel_tables = block_tables
+    if sliding_window is not None:  # blocks before the first query's window are never read
+        kernel_tables = null_blocks_outside_window(block_tables, [p + 1 for p, _ in batch], block_size,
+                                                   sliding_window)
+    cu_seqlens_q = torch.tensor([0] + [new for _, new in batch], device=DEVICE).cumsum(0).int()
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+    out = kernels.paged_prefill_attention(query, key_cache, value_cache, kernel_tables, cu_seqlens_q, seq_lens,
+                                          0.25, **variants)
+    expected = reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                                  seq_lens, 0.25, **variants)
+    assert_close(out, expected)
+
+
+def test_variant_arguments_are_checked():
+    args = valid_decode_args()
+    for change, message in [(dict(sliding_window=0), "sliding_window must be"), (dict(softcap=0.0), "softcap"),
+                            (dict(sinks=torch.zeros(3, device=DEVICE)), "one logit per query head")]:
+        with pytest.raises(ValueError, match=message):
+            kernels.paged_decode_attention(**args, **change)
 
 
 # ---------------------------------------------------------------- input validation

@@ -2,6 +2,13 @@
 // block table (PagedAttention, Kwon et al. SOSP 2023, sec. 4.1; vLLM's csrc/cpu has the same shape).
 // One task per (sequence, KV head): the query heads that share the KV head (grouped-query attention) are
 // scored together, so each key and value row is loaded once. Scores and accumulators are fp32.
+//
+// For head_dim 64 or 128 in fp32 or bf16 (`tile_kernel`) keys and values go by tiles of 16 tokens with an
+// online softmax (Milakov & Gimelshein 2018; FlashAttention's rescaling, Dao et al. 2022): one pass over the
+// cache, 16-float vectors throughout, and the 16 dot products of a tile summed across lanes together (a
+// four-level shuffle tree) rather than one horizontal sum per key. Measured on one core of an AMX Xeon, batch
+// 64, context 200, bf16: 1.1 ms per layer against 1.8 ms for the per-key `generic_kernel` below, which is
+// then bound by reading the cache (about 18 GB/s). `generic_kernel` serves every other shape and fp16.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -14,7 +21,7 @@ namespace llm_cpu {
 namespace {
 
 template <typename T>
-void decode_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
+void generic_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
@@ -74,6 +81,118 @@ void decode_kernel(T* out, const T* q, const T* key_cache, const T* value_cache,
   });
 }
 
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const float* p) { vf16 f; std::memcpy(&f, p, sizeof(f)); return f; }
+inline vf16 load_vf16(const bf16* p) {
+  vh16 h; std::memcpy(&h, p, sizeof(h));
+  vu16 u = __builtin_convertvector(h, vu16) << 16;
+  vf16 f; std::memcpy(&f, &u, sizeof(f)); return f;
+}
+inline void store_vf16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vf16 fold(vf16 x, vf16 y, vi16 a, vi16 b) { return __builtin_shuffle(x, y, a) + __builtin_shuffle(x, y, b); }
+
+inline vf16 sum16(const vf16* v) {
+  const vi16 a8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi16 b8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi16 a4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi16 b4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const vi16 a2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi16 b2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vi16 a1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi16 b1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  vf16 l1[8], l2[4], l3[2];
+  for (int j = 0; j < 8; ++j) l1[j] = fold(v[2 * j], v[2 * j + 1], a8, b8);
+  for (int j = 0; j < 4; ++j) l2[j] = fold(l1[2 * j], l1[2 * j + 1], a4, b4);
+  for (int j = 0; j < 2; ++j) l3[j] = fold(l2[2 * j], l2[2 * j + 1], a2, b2);
+  return fold(l3[0], l3[1], a1, b1);
+}
+constexpr int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+constexpr int64_t MAX_KV_HEADS = 8;  // KV heads per task (their fp32 tiles: 2 x 8 x 16 x 128 x 4 B = 128 KiB)
+constexpr int MAX_GROUP = 16;        // query heads per KV head
+
+// One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
+// each 16-token tile is read as contiguous rows (the cache interleaves heads per token), which the prefetchers
+// follow; measured 1.5 vs 1.8 ms per layer against one head per task with the cache out of the CPU's caches.
+template <typename T, int D>
+void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
+                 const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t block_size, int64_t max_blocks, float scale, int64_t heads_per_task) {
+  constexpr int C = D / 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * D;
+  const int64_t splits = num_kv_heads / heads_per_task;
+  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_heads = heads_per_task * group;
+    std::vector<vf16> key_tiles(heads_per_task * 16 * C), value_tiles(heads_per_task * 16 * C);
+    std::vector<vf16> qv(max_heads * C), acc(max_heads * C);
+    std::vector<float> maxima(max_heads), sums(max_heads);
+    alignas(64) float scores[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / splits, first_kv = (task % splits) * heads_per_task;
+      const int64_t first_head = first_kv * group, heads = heads_per_task * group;
+      const int64_t seq_len = seq_lens[seq];
+      const int64_t* table = block_tables + seq * max_blocks;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = q + (seq * num_heads + first_head + h) * D;
+        for (int c = 0; c < C; ++c) { qv[h * C + c] = load_vf16(src + 16 * c) * scale; acc[h * C + c] = vf16{}; }
+        maxima[h] = -std::numeric_limits<float>::infinity();
+        sums[h] = 0.f;
+      }
+      for (int64_t t0 = 0; t0 < seq_len; t0 += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, seq_len - t0));
+        int64_t blk = t0 / block_size, off = t0 % block_size;
+        for (int i = 0; i < n; ++i) {  // the tile's keys and values of this task's KV heads, in fp32
+          const int64_t row = (table[blk] * block_size + off) * row_stride + first_kv * D;
+          if (++off == block_size) { off = 0; ++blk; }
+          for (int64_t kh = 0; kh < heads_per_task; ++kh)
+            for (int c = 0; c < C; ++c) key_tiles[(kh * 16 + i) * C + c] = load_vf16(key_cache + row + kh * D + 16 * c);
+          for (int64_t kh = 0; kh < heads_per_task; ++kh)
+            for (int c = 0; c < C; ++c) value_tiles[(kh * 16 + i) * C + c] = load_vf16(value_cache + row + kh * D + 16 * c);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          const vf16* kt = key_tiles.data() + (h / group) * 16 * C;
+          const vf16* vt = value_tiles.data() + (h / group) * 16 * C;
+          vf16 dots[16];
+          for (int i = 0; i < 16; ++i) {
+            vf16 d = vf16{};
+            if (i < n) for (int c = 0; c < C; ++c) d += qv[h * C + c] * kt[i * C + c];
+            dots[BITREV4[i]] = d;
+          }
+          store_vf16(scores, sum16(dots));
+          float m = maxima[h];
+          for (int i = 0; i < n; ++i) m = std::max(m, scores[i]);
+          const float alpha = exp_nonpositive(maxima[h] - m);
+          maxima[h] = m;
+          float tile_sum = 0.f;
+          for (int i = 0; i < 16; ++i) {
+            scores[i] = i < n ? exp_nonpositive(scores[i] - m) : 0.f;
+            tile_sum += scores[i];
+          }
+          sums[h] = sums[h] * alpha + tile_sum;
+          vf16 a[C];
+          for (int c = 0; c < C; ++c) a[c] = acc[h * C + c] * alpha;
+          for (int i = 0; i < n; ++i) {
+            const float p = scores[i];
+            for (int c = 0; c < C; ++c) a[c] += p * vt[i * C + c];
+          }
+          for (int c = 0; c < C; ++c) acc[h * C + c] = a[c];
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* dst = out + (seq * num_heads + first_head + h) * D;
+        const float inv = 1.f / sums[h];
+        alignas(64) float tmp[D];
+        for (int c = 0; c < C; ++c) store_vf16(tmp + 16 * c, acc[h * C + c] * inv);
+        for (int d = 0; d < D; ++d) dst[d] = from_float<T>(tmp[d]);
+      }
+    }
+  });
+}
 }  // namespace
 }  // namespace llm_cpu
 
@@ -92,9 +211,34 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
   llm_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    llm_cpu::decode_kernel<T>(reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const T*>(q.data_ptr()),
-                     reinterpret_cast<const T*>(key_cache.data_ptr()), reinterpret_cast<const T*>(value_cache.data_ptr()),
-                     block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), batch, num_heads, num_kv_heads,
-                     head_dim, block_size, block_tables.size(1), static_cast<float>(scale));
+    T* o = reinterpret_cast<T*>(out.data_ptr());
+    const T* qs = reinterpret_cast<const T*>(q.data_ptr());
+    const T* kc = reinterpret_cast<const T*>(key_cache.data_ptr());
+    const T* vc = reinterpret_cast<const T*>(value_cache.data_ptr());
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t max_blocks = block_tables.size(1);
+    const float s = static_cast<float>(scale);
+    constexpr bool vectorized = std::is_same_v<T, float> || std::is_same_v<T, llm_cpu::bf16>;
+    const bool tiled = vectorized && num_heads / num_kv_heads <= llm_cpu::MAX_GROUP;
+    // All of a sequence's KV heads in one task when the batch alone keeps every thread busy; else one each.
+    int64_t heads_per_task = 1;
+    if (batch >= 4 * at::get_num_threads()) {
+      for (int64_t h = std::min(num_kv_heads, llm_cpu::MAX_KV_HEADS); h >= 1; --h) {
+        if (num_kv_heads % h == 0) { heads_per_task = h; break; }
+      }
+    }
+    if constexpr (vectorized) {
+      if (tiled && head_dim == 64) {
+        return llm_cpu::tile_kernel<T, 64>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, block_size,
+                                           max_blocks, s, heads_per_task);
+      }
+      if (tiled && head_dim == 128) {
+        return llm_cpu::tile_kernel<T, 128>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, block_size,
+                                            max_blocks, s, heads_per_task);
+      }
+    }
+    llm_cpu::generic_kernel<T>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, head_dim, block_size,
+                               max_blocks, s);
   });
 }
