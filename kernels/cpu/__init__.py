@@ -7,7 +7,7 @@
   batch 64 those chains cost more than the GEMMs). Each rounds where transformers' modules round, so bf16
   results follow transformers' and fp32 results equal them up to summation order.
 
-:func:`load` compiles once per source version (about 40 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (torch's
+:func:`load` compiles once per source version (about 25 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (torch's
 default: ``~/.cache/torch_extensions``); later processes load the cached library in well under a second.
 """
 
@@ -24,6 +24,9 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = ("common.h", "paged_attention.cpp", "rms_norm.cpp", "rotary.cpp", "activation.cpp")
+# -fno-trapping-math lets loops that convert floats to integers (the exp below) vectorize; 512-bit vectors
+# measured 10-20% faster than GCC's default 256 on the elementwise kernels (AMX Xeon).
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-mprefer-vector-width=512", "-fopenmp"]
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
@@ -41,13 +44,13 @@ def load():
 
     begin = time.perf_counter()
     source = _translation_unit()
-    # The name carries the source's hash: checkouts of different versions (or worktrees) sharing one
-    # extensions directory then keep their own builds instead of rebuilding over each other.
-    name = "llm_backend_cpu_kernels_" + hashlib.sha256(source.encode()).hexdigest()[:12]
+    # The name carries the hash of the source and flags: checkouts of different versions (or worktrees)
+    # sharing one extensions directory then keep their own builds instead of rebuilding over each other.
+    name = "llm_backend_cpu_kernels_" + hashlib.sha256((source + " ".join(CFLAGS)).encode()).hexdigest()[:12]
     try:
         module = load_inline(
             name=name, cpp_sources=[source], functions=FUNCTIONS,
-            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or headers: the engine falls back to gather + SDPA
         log.warning("CPU kernels unavailable (%s); using torch operations", str(exc).splitlines()[0])
         return None
