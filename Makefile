@@ -1,4 +1,5 @@
-# One entry point per job. `make serve` and `make test` work from a fresh clone: they install first.
+# One entry point per job. `make serve` starts tritonserver and the OpenAI frontend (OPENAI_PORT, 9000; 0: none).
+# `make serve` and `make test` work from a fresh clone: they install first.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,6 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 LOADTEST_ARGS ?=
@@ -23,7 +25,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 serve: install
-	$(BIN)/python -m serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(BIN)/python -m serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--openai-port $(OPENAI_PORT)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""Finds a ``tritonserver`` and runs it on ``model_repository/``.
+"""Finds a ``tritonserver`` and runs it on ``model_repository/``, with the OpenAI frontend beside it.
 
 Where ``tritonserver`` is on PATH (the NGC container) it is used as is. Elsewhere the server bundled in
 the ``nvidia-pytriton`` wheel is used: its binary, its Python backend with the stub for this Python
@@ -11,8 +11,11 @@ import argparse
 import importlib.util
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,11 +85,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
+                        help="port of the OpenAI frontend started beside tritonserver (0: none)")
     args, extra = parser.parse_known_args(argv)
     command = build_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                             args.log_verbose, extra)
     print("+", " ".join(command.argv), flush=True)
-    os.execve(command.argv[0], command.argv, command.env)
+    if args.openai_port <= 0:
+        os.execve(command.argv[0], command.argv, command.env)
+    frontend = [sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
+                "--triton-url", f"localhost:{args.grpc_port}", "--model-repository", str(args.model_repository)]
+    print("+", " ".join(frontend), flush=True)
+    sys.exit(run_together([command.argv, frontend], command.env))
+
+
+def run_together(argvs: list[list[str]], env: dict[str, str]) -> int:
+    """Runs the commands as children until the first one ends (or SIGINT/SIGTERM), then stops the others
+    (SIGTERM, SIGKILL after 30 s). Returns the exit status of the first to end (128 + signal if stopped)."""
+    children = [subprocess.Popen(argv, env=env) for argv in argvs]
+    stopped: list[int] = []
+
+    def stop(signum, frame) -> None:
+        stopped.append(signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    status = None
+    while status is None and not stopped:
+        for child in children:
+            if child.poll() is not None:
+                status = child.returncode
+                break
+        else:
+            time.sleep(0.2)
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return status if status is not None else 128 + stopped[0]
 
 
 if __name__ == "__main__":

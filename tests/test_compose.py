@@ -242,3 +242,15 @@ def test_docker_compose_config_accepts_the_files(files):
     assert run.returncode == 0, run.stderr
     triton = json.loads(run.stdout)["services"]["triton"]
     assert ("deploy" in triton) == (len(files) == 1)
+
+
+def test_openai_frontend_service_talks_to_tritons_grpc_port(compose):
+    openai = compose["services"]["openai"]
+    command = openai["command"]
+    assert command[:3] == ["python3", "-m", "openai_frontend"]
+    assert flag(command, "--triton-url") == f"triton:{GRPC_PORT}"
+    assert openai["ports"] == [f"{flag(command, '--port')}:9000"] and flag(command, "--port") == "9000"
+    assert bind_mounts(openai)[flag(command, "--model-repository")] == (REPO_ROOT / "model_repository", True)
+    assert openai["image"] == compose["services"]["triton"]["image"]
+    assert openai["depends_on"]["triton"]["condition"] == "service_healthy"
+    assert flag(compose["services"]["triton"]["command"], "--openai-port") == "0"

@@ -1,0 +1,34 @@
+"""``python -m openai_frontend``: the OpenAI API on port 9000, in front of Triton's gRPC port."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import uvicorn
+
+from openai_frontend.app import DEFAULT_MODEL_REPOSITORY, FrontendConfig, create_app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of Triton's llm model.")
+    parser.add_argument("--host", default=os.environ.get("OPENAI_HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
+    parser.add_argument("--triton-url", default=os.environ.get("TRITON_GRPC_URL", "localhost:8001"),
+                        help="Triton's gRPC endpoint, host:port")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="where each model's tokenizer is found (its model parameter)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="one tokenizer (HF directory or .gguf) for every model instead")
+    parser.add_argument("--chat-template", type=Path, default=None,
+                        help="a Jinja chat template file used instead of the tokenizer's")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
+                            args.chat_template.read_text() if args.chat_template else None)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""The ASGI app: OpenAI's routes over :class:`TritonLLM`.
+
+Every request goes to Triton as one streaming request per prompt (``n`` completions each, told apart by the
+model's ``index`` output); non-streaming answers are the deltas joined. A streaming answer is only started
+once the first delta arrived, so a request the model rejects gets its error status, not a 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from openai_frontend.errors import OpenAIError
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.triton_stream import Delta, TritonLLM
+
+DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+
+
+@dataclass
+class FrontendConfig:
+    """Args: triton_url: Triton's gRPC ``host:port``. model_repository: where each model's tokenizer is
+    found (config.pbtxt's ``model`` parameter, overridden by ``<version>/engine.json``). tokenizer: one
+    tokenizer (directory or .gguf) for every model instead. chat_template: a Jinja template (text) used
+    instead of the tokenizer's."""
+
+    triton_url: str = "localhost:8001"
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    tokenizer: str | None = None
+    chat_template: str | None = None
+
+
+def create_app(config: FrontendConfig) -> FastAPI:
+    triton = TritonLLM(config.triton_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await triton.close()
+
+    app = FastAPI(title="Triton LLM, OpenAI API", lifespan=lifespan)
+    app.state.triton = triton
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        else:
+            message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+        return JSONResponse(OpenAIError(400, message, "invalid_request", param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if await triton.ready():
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "triton"} for model_id in await _model_ids(triton)]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        body.check()
+        name, version = await _resolve(triton, body.model)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        sampling = body.sampling_parameters(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        tokenizer = _tokenizer(config, name, version) if body.logprobs is not None else None
+        view = _View("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, echo=bool(body.echo),
+                     prompts=prompts, n=body.n or 1, top_n=body.logprobs, tokenizer=tokenizer)
+        events = _merged(triton, name, version, prompts, sampling)
+        return await _respond(view, events, body.stream, body.include_usage, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        body.check()
+        name, version = await _resolve(triton, body.model)
+        tokenizer = _tokenizer(config, name, version)
+        prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        sampling = body.sampling_parameters(max_tokens, logprobs)
+        view = _View("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, echo=False,
+                     prompts=[prompt], n=body.n or 1, top_n=logprobs)
+        events = _merged(triton, name, version, [prompt], sampling)
+        return await _respond(view, events, body.stream, body.include_usage, request)
+
+    return app
+
+
+# -- models ----------------------------------------------------------------------------------------------
+async def _model_ids(triton: TritonLLM) -> list[str]:
+    """``name`` (the version Triton picks by its version policy) and ``name/version`` for each READY one."""
+    ids: list[str] = []
+    for name, version in sorted(await triton.models()):
+        if name not in ids:
+            ids.append(name)
+        if version:
+            ids.append(f"{name}/{version}")
+    return ids
+
+
+async def _resolve(triton: TritonLLM, model_id: str) -> tuple[str, str]:
+    """``name`` or ``name/version`` -> (name, version); 404 unless Triton serves it."""
+    if model_id not in await _model_ids(triton):
+        raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model_not_found", "model")
+    name, _, version = model_id.partition("/")
+    return name, version
+
+
+def _tokenizer(config: FrontendConfig, name: str, version: str):
+    return _load_tokenizer(config.tokenizer or _model_source(config.model_repository, name, version))
+
+
+def _model_source(repository: Path, name: str, version: str) -> str:
+    """The model a version serves, as its engine reads it: config.pbtxt's ``model`` parameter, then
+    ``<version>/engine.json`` (version "" = the newest version directory); "" is the default model."""
+    directory = repository / name
+    source = ""
+    config = directory / "config.pbtxt"
+    if config.exists():
+        match = re.search(r'key:\s*"model"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config.read_text())
+        source = match[1] if match else ""
+    versions = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
+        if directory.is_dir() else []
+    version = version or (str(versions[0]) if versions else "")
+    engine = directory / version / "engine.json"
+    if version and engine.exists():
+        source = json.loads(engine.read_text()).get("model", source) or source
+    return source
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    from backend.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(source or None))
+
+
+def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None) -> str:
+    """The prompt text: the chat template (the tokenizer's, or ``chat_template``) over the messages."""
+    try:
+        return tokenizer.apply_chat_template(body.messages_for_template(), tokenize=False,
+                                             add_generation_prompt=True, chat_template=chat_template,
+                                             **(body.chat_template_kwargs or {}))
+    except OpenAIError:
+        raise
+    except Exception as exc:  # a template that raises (e.g. roles it does not accept) is the request's fault
+        raise OpenAIError(400, f"chat template failed: {exc}", "invalid_request", "messages") from None
+
+
+# -- generation ------------------------------------------------------------------------------------------
+async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str],
+                  sampling: dict) -> AsyncIterator[tuple[int, Delta]]:
+    """(prompt index, delta) of every prompt's request, as they arrive. Closing this iterator cancels every
+    request still running."""
+    if len(prompts) == 1:
+        async for delta in triton.generate(name, version, prompts[0], sampling):
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, prompt: str) -> None:
+        try:
+            async for delta in triton.generate(name, version, prompt, sampling):
+                await queue.put((i, delta, None))
+        except Exception as exc:
+            await queue.put((i, None, exc))
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                remaining -= 1
+                continue
+            yield i, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    started: bool = False
+
+
+@dataclass
+class _View:
+    """What an answer needs to know of its request, and the per-choice state while it streams."""
+
+    object: str
+    id: str
+    model: str
+    chat: bool
+    echo: bool
+    prompts: list[str]
+    n: int
+    top_n: int | None
+    tokenizer: object = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    num_input_tokens: dict[int, int] = field(default_factory=dict)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)
+
+    def add(self, prompt_index: int, delta: Delta) -> tuple[int, _Choice, str, object]:
+        """Records a delta; returns (choice index, its state, the new text, the new logprobs or None)."""
+        index = prompt_index * self.n + delta.index
+        choice = self.choices.setdefault(index, _Choice())
+        text = delta.text
+        if self.echo and not choice.started:
+            text = self.prompts[prompt_index] + text
+        choice.started = True
+        choice.text.append(text)
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+        choice.num_output_tokens = delta.num_output_tokens
+        self.num_input_tokens[prompt_index] = delta.num_input_tokens
+        self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
+        new_logprobs = None
+        if self.top_n is not None:
+            entries = _logprob_entries(delta, self.top_n)
+            choice.logprobs.extend(entries)
+            new_logprobs = self.logprobs(entries, offset=sum(len(t) for t in choice.text[:-1]))
+        return index, choice, text, new_logprobs
+
+    def logprobs(self, entries: list, offset: int = 0):
+        """OpenAI's logprobs object for these tokens: chat's ``{"content": [...]}`` or the completions form
+        (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset`` from ``offset`` characters)."""
+        if self.chat:
+            return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+                                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                                                  for t, lp in top]}
+                                for token, logprob, top in entries]}
+        offsets = []
+        for token, _, _ in entries:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+
+    def usage(self) -> dict:
+        prompt = sum(self.num_input_tokens.values())
+        completion = sum(c.num_output_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens.values())}}
+
+    def header(self, chunk: bool) -> dict:
+        obj = f"{self.object}.chunk" if chunk and self.chat else self.object
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def _logprob_entries(delta: Delta, top_n: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token, logprob, top alternatives) per new token, from the model's vLLM-form ``logprobs`` output."""
+    entries = []
+    for token_id, alternatives in zip(delta.token_ids, delta.logprobs or []):
+        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
+        sampled = alternatives.get(str(token_id)) or {}
+        top = [(a["decoded_token"], a["logprob"]) for _, a in ranked[:top_n]]
+        entries.append((sampled.get("decoded_token", ""), sampled.get("logprob"), top))
+    return entries
+
+
+async def _respond(view: _View, events: AsyncIterator[tuple[int, Delta]], stream: bool | None,
+                   include_usage: bool, request: Request):
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except OpenAIError:
+        await events.aclose()
+        raise
+    if stream:
+        return _SSEResponse(_sse(view, first, events, include_usage), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+    return await _unless_disconnected(request, _collect(view, first, events))
+
+
+async def _collect(view: _View, first, events) -> dict:
+    try:
+        if first is not None:
+            view.add(*first)
+        async for item in events:
+            view.add(*item)
+    finally:
+        await events.aclose()
+    choices = []
+    for index in sorted(view.choices):
+        choice = view.choices[index]
+        text = "".join(choice.text)
+        logprobs = view.logprobs(choice.logprobs) if view.top_n is not None else None
+        if view.chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": choice.finish_reason})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": choice.finish_reason})
+    return {**view.header(chunk=False), "choices": choices, "usage": view.usage()}
+
+
+async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per delta, ``data: [DONE]`` last; an error after the first delta is
+    sent as an error event (the status line has gone out already)."""
+    usage = {"usage": None} if include_usage else {}
+    try:
+        item = first
+        while item is not None:
+            index, choice, text, logprobs = view.add(*item)
+            if view.chat:
+                delta = {"content": text}
+                if len(choice.text) == 1:
+                    delta = {"role": "assistant", "content": text}
+                entry = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            else:
+                entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            yield _event({**view.header(chunk=True), "choices": [entry], **usage})
+            item = await anext(events, None)
+        if include_usage:
+            yield _event({**view.header(chunk=True), "choices": [], "usage": view.usage()})
+    except OpenAIError as exc:
+        yield _event(exc.body())
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that stops as soon as the client disconnects, whatever the ASGI spec version,
+    and closes its iterator then (which cancels the Triton requests)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _unless_disconnected(request: Request, work) -> dict:
+    """Runs ``work``; a client that disconnects first cancels it (and with it the Triton requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return JSONResponse({}, status_code=499)
+    return task.result()

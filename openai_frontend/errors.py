@@ -1,0 +1,39 @@
+"""OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``) and the status of Triton's errors.
+
+Triton's gRPC stream carries an error's message but not its code, so the status is read from the message:
+an unknown model is 404, an overloaded or unavailable server 503, the model's ``internal error: ...`` 500,
+and anything else the model rejected (its validation of the request) 400.
+"""
+
+from __future__ import annotations
+
+import re
+
+TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "internal_server_error",
+         503: "service_unavailable"}
+_NOT_FOUND = re.compile(r"unknown model|model .* is not found|is not (found|ready)", re.I)
+_UNAVAILABLE = re.compile(r"unavailable|overload|too many|queue is full|server is (busy|draining|shutting)|"
+                          r"draining|shutting down|try again later", re.I)
+
+
+class OpenAIError(Exception):
+    """An error to answer with ``status`` and OpenAI's body."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def error_from_triton(message: str) -> OpenAIError:
+    """The OpenAIError for an error message that Triton or the model sent on the stream."""
+    if _NOT_FOUND.search(message):
+        return OpenAIError(404, message, "model_not_found", "model")
+    if _UNAVAILABLE.search(message):
+        return OpenAIError(503, message, "service_unavailable")
+    if message.startswith("internal error") or "failed" in message.lower() and "generation" in message.lower():
+        return OpenAIError(500, message, "internal_error")
+    return OpenAIError(400, message, "invalid_request")

@@ -1,0 +1,136 @@
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI's fields, plus vLLM's
+sampling extras), and their mapping onto the ``llm`` model's ``sampling_parameters``.
+
+Only types are checked here; ranges (temperature >= 0, n >= 1, top_logprobs <= 20, ...) are the engine's to
+check, and its message comes back as a 400. Unknown fields are a 400, as at OpenAI; fields OpenAI has
+but this server does not implement are a 400 naming the field when they ask for something
+(``tools``, ``response_format`` other than text, ``logit_bias``, ...), and ignored when they do not change
+the output (``user``, ``store``, ``metadata``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from openai_frontend.errors import OpenAIError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # Ignored, as they do not change the output.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Accepted where they ask for nothing.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extras (OpenAI SDK: extra_body).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool | None = None
+
+    def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
+        """The model's ``sampling_parameters``: the fields that were sent (``max_tokens`` None = up to the
+        context length)."""
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported", "unsupported_parameter", "logit_bias")
+        values = {"max_tokens": max_tokens, "logprobs": logprobs,
+                  "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
+        for name in ("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
+                     "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
+                     "skip_special_tokens"):
+            values[name] = getattr(self, name)
+        return {k: v for k, v in values.items() if v is not None or k == "max_tokens"}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", "unsupported_parameter", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise OpenAIError(400, "best_of other than n is not supported", "unsupported_parameter", "best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise OpenAIError(400, "prompt must not be empty", "invalid_value", "prompt")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    def check(self) -> None:
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise OpenAIError(400, "tools are not supported yet", "unsupported_parameter", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise OpenAIError(400, "response_format other than text is not supported yet",
+                              "unsupported_parameter", "response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs true", "invalid_value", "top_logprobs")
+        if not self.messages:
+            raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")
+
+    def messages_for_template(self) -> list[dict]:
+        """The messages as the chat template wants them: a list of text parts joined into one string."""
+        out = []
+        for message in self.messages:
+            item = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                parts = []
+                for part in message.content:
+                    if part.get("type") != "text":
+                        raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported",
+                                          "unsupported_parameter", "messages")
+                    parts.append(part.get("text", ""))
+                item["content"] = "".join(parts)
+            out.append(item)
+        return out

@@ -1,0 +1,140 @@
+"""One generation over Triton's gRPC streaming API (tritonclient's asyncio client), as a stream of deltas.
+
+Each call opens its own bidirectional stream, sends one request with ``stream`` true and reads the
+decoupled model's responses until the one flagged final. Leaving the iterator early (a client that
+disconnected) cancels the gRPC call, which Triton turns into a cancelled request: the model aborts it in the
+engine and its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from openai_frontend.errors import OpenAIError, error_from_triton
+
+
+@dataclass
+class Delta:
+    """One response of the ``llm`` model: new text and tokens of completion ``index``.
+
+    ``logprobs`` is vLLM's form (one dict per new token: token id -> ``{logprob, rank, decoded_token}``),
+    present when the request asked for logprobs; ``num_output_tokens`` is the completion's total so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_input_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[dict[str, dict]] | None = None
+
+
+@dataclass
+class TritonLLM:
+    """A connection to Triton's gRPC endpoint (``host:port``)."""
+
+    url: str
+    _client: grpcclient.InferenceServerClient | None = field(default=None, init=False)
+
+    @property
+    def client(self) -> grpcclient.InferenceServerClient:
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready()
+        except InferenceServerException:
+            return False
+
+    async def models(self) -> list[tuple[str, str]]:
+        """(name, version) of every model version Triton reports READY.
+
+        Raises:
+            OpenAIError: 503 when Triton cannot be reached.
+        """
+        try:
+            index = await self.client.get_model_repository_index(as_json=True)
+        except InferenceServerException as exc:
+            raise OpenAIError(503, f"Triton is unreachable: {exc.message()}", "service_unavailable") from None
+        return [(m["name"], m.get("version", "")) for m in index.get("models", []) if m.get("state") == "READY"]
+
+    async def generate(self, model: str, version: str, prompt: str, sampling: dict) -> AsyncIterator[Delta]:
+        """Streams the deltas of one request (every completion of an ``n`` > 1 request, told apart by index).
+
+        Args:
+            sampling: the model's ``sampling_parameters`` (vLLM's names: ``max_tokens``, ``stop``, ...).
+
+        Raises:
+            OpenAIError: the model or Triton rejected or failed the request (status from the message).
+        """
+        done = asyncio.Event()
+        request = {"model_name": model, "model_version": version, "request_id": uuid.uuid4().hex,
+                   "inputs": [_bytes_input("text_input", prompt), _bool_input("stream", True),
+                              _bytes_input("sampling_parameters", json.dumps(sampling))]}
+
+        async def requests():
+            yield request
+            await done.wait()  # keep our side of the stream open until the final response
+
+        responses = self.client.stream_infer(requests())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise error_from_triton(error.message())
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                if result.as_numpy("text_output") is not None:
+                    yield from_result(result)
+                if final:
+                    return
+        except grpc.RpcError as exc:  # the stream itself failed: Triton gone or shutting down
+            raise OpenAIError(503, f"Triton stream failed: {exc.details() if hasattr(exc, 'details') else exc}",
+                              "service_unavailable") from None
+        finally:
+            done.set()
+            responses.cancel()  # no-op after the final response; else Triton cancels the request
+
+
+def from_result(result) -> Delta:
+    """The model's output tensors -> a Delta (the first completion's entry of each)."""
+    def first(name, default=0):
+        value = result.as_numpy(name)
+        return default if value is None or value.size == 0 else value.reshape(-1)[0]
+
+    text = first("text_output", b"")
+    reason = first("finish_reason", b"")
+    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    ids = result.as_numpy("output_ids")
+    logprobs = first("logprobs", None)
+    return Delta(index=int(first("index")), text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
+                 token_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)], finish_reason=reason or None,
+                 num_input_tokens=int(first("num_input_tokens")), num_output_tokens=int(first("num_output_tokens")),
+                 num_cached_tokens=int(first("num_cached_tokens")),
+                 logprobs=None if logprobs is None else json.loads(logprobs))
+
+
+def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
+    return tensor
+
+
+def _bool_input(name: str, value: bool) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([value]))
+    return tensor

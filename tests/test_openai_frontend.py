@@ -1,0 +1,166 @@
+"""The OpenAI frontend with the official ``openai`` SDK, against a real tritonserver (the session's) and the
+frontend served in-process by uvicorn on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import openai
+import pytest
+import requests
+import uvicorn
+
+from openai_frontend.app import FrontendConfig, create_app
+from openai_frontend.errors import error_from_triton
+from triton_server import free_port
+
+PROMPT = "The three primary colors are"
+MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server):
+    """The frontend's base URL (``http://127.0.0.1:<port>``), serving until the module's tests end."""
+    port = free_port()
+    config = uvicorn.Config(create_app(FrontendConfig(triton_url=triton_server.grpc_url)), host="127.0.0.1",
+                            port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the frontend did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_idle(server, timeout: float = 10.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if all(server.metric(name, version="2") == 0 for name in
+               ("llm_kv_cache_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting")):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle after {timeout} s")
+
+
+def test_status_of_triton_errors_is_read_from_the_message():
+    assert error_from_triton("Request for unknown model: 'x' is not found").status == 404
+    assert error_from_triton("server is overloaded: 512 requests waiting; try again later").status == 503
+    assert error_from_triton("internal error: boom").status == 500
+    assert error_from_triton("temperature must be >= 0, got -1.0").status == 400
+
+
+@pytest.mark.server
+def test_health_and_models_list_every_served_version(frontend, client):
+    assert requests.get(f"{frontend}/health", timeout=10).json() == {"status": "ok"}
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["llm", "llm/1", "llm/2"]
+
+
+@pytest.mark.server
+def test_completion_usage_counts_the_model_tokens(client):
+    out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=8, temperature=0)
+    choice = out.choices[0]
+    assert out.object == "text_completion" and choice.finish_reason == "length" and choice.text
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens == 5
+    assert out.usage.total_tokens == 13
+    echoed = client.completions.create(model="llm/1", prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + choice.text
+
+
+@pytest.mark.server
+def test_chat_renders_the_tokenizers_template_and_streams_the_same_answer(client, tokenizer):
+    whole = client.chat.completions.create(model="llm", messages=MESSAGES, max_completion_tokens=12,
+                                           temperature=0, user="ignored")
+    message = whole.choices[0].message
+    assert whole.object == "chat.completion" and message.role == "assistant" and message.content
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    same = client.completions.create(model="llm", prompt=rendered, max_tokens=12, temperature=0)
+    assert same.choices[0].text == message.content
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered))
+
+    chunks = list(client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: prefix cache hits
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.server
+def test_sse_stream_ends_with_done(frontend):
+    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with requests.post(f"{frontend}/v1/completions", json=body, stream=True, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line.decode() for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert len(texts) >= 2 and "".join(texts)
+
+
+@pytest.mark.server
+def test_n_2_seeded_completions_are_reproducible(client):
+    def run():
+        out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
+        return sorted((c.index, c.text) for c in out.choices), out.usage
+    first, usage = run()
+    assert [i for i, _ in first] == [0, 1] and first[0][1] != first[1][1]
+    assert run()[0] == first
+    assert usage.completion_tokens == sum(12 for _ in first) or usage.completion_tokens <= 24
+    streamed = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=6, n=2, stream=True)
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+
+
+@pytest.mark.server
+def test_stop_string_ends_the_text_before_it(client):
+    greedy = client.completions.create(model="llm", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    word = greedy.split()[2]
+    stopped = client.completions.create(model="llm", prompt=PROMPT, max_tokens=16, temperature=0, stop=[word])
+    assert stopped.choices[0].text == greedy[:greedy.index(word)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.server
+def test_errors_have_openais_body_and_status(client, frontend):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="llm", prompt=PROMPT, temperature=-1)
+    assert bad.value.status_code == 400 and "temperature" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError):  # streaming: rejected before the stream starts
+        client.chat.completions.create(model="llm", messages=MESSAGES, top_p=1.5, stream=True)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert missing.value.body["code"] == "model_not_found"
+    unknown = requests.post(f"{frontend}/v1/completions", json={"model": "llm", "prompt": "hi", "tempreature": 1},
+                            timeout=60)
+    assert unknown.status_code == 400 and "tempreature" in unknown.json()["error"]["message"]
+    assert set(unknown.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.server
+def test_client_disconnect_mid_stream_cancels_the_triton_request(frontend, client, triton_server):
+    aborts = triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2")
+    body = {"model": "llm", "prompt": "Tell me a very long story.", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with requests.post(f"{frontend}/v1/completions", json=body, stream=True, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 6:
+                break
+        assert triton_server.metric("llm_kv_cache_blocks_used", version="2") > 0
+    assert wait_idle(triton_server) < 2.0
+    assert triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2") == aborts + 1
+    assert client.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
