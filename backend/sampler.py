@@ -14,11 +14,13 @@ FLOAT_MAX = torch.finfo(torch.float32).max
 
 @dataclass
 class TokenLogprobs:
-    """The sampled token's log-probability and the top-N alternatives (of the model's raw distribution)."""
+    """The sampled token's log-probability and the top-N alternatives (of the model's raw distribution);
+    ``rank`` is the sampled token's place in that distribution (1 = the most likely), as vLLM reports it."""
 
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None
 
 
 @dataclass
@@ -152,4 +154,5 @@ def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     if top_n:
         values, indices = row.topk(top_n)
         top = dict(zip(indices.tolist(), values.tolist()))
-    return TokenLogprobs(token_id, row[token_id].item(), top)
+    logprob = row[token_id]
+    return TokenLogprobs(token_id, logprob.item(), top, int((row > logprob).sum()) + 1)

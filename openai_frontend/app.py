@@ -318,7 +318,8 @@ async def _collect(view: _View, first, events) -> dict:
     for index in sorted(view.choices):
         choice = view.choices[index]
         text = "".join(choice.text)
-        logprobs = view.logprobs(choice.logprobs) if view.top_n is not None else None
+        offset = len(view.prompts[index // view.n]) if view.echo else 0
+        logprobs = view.logprobs(choice.logprobs, offset) if view.top_n is not None else None
         if view.chat:
             choices.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs, "finish_reason": choice.finish_reason})

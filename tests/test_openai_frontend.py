@@ -164,3 +164,50 @@ def test_client_disconnect_mid_stream_cancels_the_triton_request(frontend, clien
     assert wait_idle(triton_server) < 2.0
     assert triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2") == aborts + 1
     assert client.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_vllm_logprobs_form_has_the_sampled_token_and_the_top_n_ranked():
+    import torch
+
+    from backend.sampler import _logprobs
+    from serve.logprobs import vllm_logprobs
+
+    row = torch.log_softmax(torch.tensor([0.0, 3.0, 1.0, 2.0]), dim=-1)
+    step = _logprobs(row, token_id=2, top_n=2)
+    assert step.rank == 3 and list(step.top) == [1, 3]
+    decoded = json.loads(vllm_logprobs([step], decode=lambda i: f"<{i}>"))
+    assert decoded == [{"1": {"logprob": pytest.approx(row[1].item()), "rank": 1, "decoded_token": "<1>"},
+                        "3": {"logprob": pytest.approx(row[3].item()), "rank": 2, "decoded_token": "<3>"},
+                        "2": {"logprob": pytest.approx(row[2].item()), "rank": 3, "decoded_token": "<2>"}}]
+
+
+@pytest.mark.server
+def test_chat_logprobs_top_1_is_the_sampled_token_at_temperature_0(client):
+    out = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 8
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+        assert token.bytes == list(token.token.encode())
+    streamed = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=3, stream=True)
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+
+
+@pytest.mark.server
+def test_completion_logprobs_and_echo_offsets(client):
+    out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                    echo=True)
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(lp)
+               for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert logprobs.text_offset[0] == len(PROMPT)
+    assert out.choices[0].text == PROMPT + "".join(logprobs.tokens)
+    plain = client.completions.create(model="llm", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None

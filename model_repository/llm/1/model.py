@@ -28,6 +28,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import EngineConfig, LLMEngine, RequestOutput
 from backend.prompt_limits import check_prompt_bytes
+from serve.logprobs import vllm_logprobs
 from serve.metrics import EngineMetrics
 from serve.request_parsing import check_request_id, parse_request
 
@@ -49,6 +50,7 @@ class _InFlight:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: bool = False  # send output_log_probs / cum_log_probs
     log_probs: dict[int, list[float]] = field(default_factory=dict)  # completion index -> per-token logprobs
+    top_log_probs: dict[int, list] = field(default_factory=dict)  # completion index -> TokenLogprobs (non-streaming)
 
 
 class TritonPythonModel:
@@ -215,11 +217,16 @@ class TritonPythonModel:
         log_probs.extend(new_log_probs)
         if state.stream:
             if out.token_ids or out.text or out.finished:
-                extra = _log_prob_tensors(new_log_probs, [sum(log_probs)]) if state.logprobs else []
+                extra = []
+                if state.logprobs:
+                    extra = [*_log_prob_tensors(new_log_probs, [sum(log_probs)]),
+                             self._vllm_logprobs([out.logprobs or []])]
                 state.sender.send(_response([out.text], out.token_ids, [out], extra), flags=flags)
             return
         state.text.setdefault(out.index, []).append(out.text)
         state.token_ids.setdefault(out.index, []).extend(out.token_ids)
+        if state.logprobs:
+            state.top_log_probs.setdefault(out.index, []).extend(out.logprobs or [])
         if out.finished:
             state.finished[out.index] = out
         if out.done:
@@ -229,8 +236,15 @@ class TritonPythonModel:
             extra = []
             if state.logprobs:
                 per_index = [state.log_probs.get(i, []) for i in order]
-                extra = _log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index])
+                extra = [*_log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index]),
+                         self._vllm_logprobs([state.top_log_probs.get(i, []) for i in order])]
             state.sender.send(_response(texts, ids, [state.finished[i] for i in order], extra), flags=FINAL)
+
+    def _vllm_logprobs(self, per_completion: list[list]):
+        """The ``logprobs`` output (vLLM backend's JSON form), one string per completion."""
+        decode = lambda token_id: self.engine.tokenizer.decode([token_id])  # noqa: E731
+        texts = [vllm_logprobs(steps, decode).encode("utf-8") for steps in per_completion]
+        return pb_utils.Tensor("logprobs", np.array(texts, dtype=np.object_))
 
 
 def _log_prob_tensors(output_log_probs: list[float], cum_log_probs: list[float]) -> list:
