@@ -12,8 +12,8 @@ import re
 TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "internal_server_error",
          503: "service_unavailable"}
 _NOT_FOUND = re.compile(r"unknown model|model .* is not found|is not (found|ready)", re.I)
-_UNAVAILABLE = re.compile(r"unavailable|overload|too many|queue is full|server is (busy|draining|shutting)|"
-                          r"draining|shutting down|try again later", re.I)
+_UNAVAILABLE = re.compile(r"unavailable|overload|too many|queue is full|server is (busy|full|draining)|"
+                          r"draining|shutting down|try again later|retry|engine loop|engine is dead", re.I)
 
 
 class OpenAIError(Exception):

@@ -56,7 +56,8 @@ def wait_idle(server, timeout: float = 10.0) -> float:
 
 def test_status_of_triton_errors_is_read_from_the_message():
     assert error_from_triton("Request for unknown model: 'x' is not found").status == 404
-    assert error_from_triton("server is overloaded: 512 requests waiting; try again later").status == 503
+    assert error_from_triton("server is full: 9 requests (90 tokens) already waiting, at most 8").status == 503
+    assert error_from_triton("server is shutting down; retry on another instance").status == 503
     assert error_from_triton("internal error: boom").status == 500
     assert error_from_triton("temperature must be >= 0, got -1.0").status == 400
 
