@@ -86,9 +86,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         name, version = await _resolve(triton, body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         sampling = body.sampling_parameters(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
-        tokenizer = _tokenizer(config, name, version) if body.logprobs is not None else None
         view = _View("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, echo=bool(body.echo),
-                     prompts=prompts, n=body.n or 1, top_n=body.logprobs, tokenizer=tokenizer)
+                     prompts=prompts, n=body.n or 1, top_n=body.logprobs)
         events = _merged(triton, name, version, prompts, sampling)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
@@ -96,7 +95,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check()
         name, version = await _resolve(triton, body.model)
-        tokenizer = _tokenizer(config, name, version)
+        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)  # the first load takes seconds
         prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -228,7 +227,6 @@ class _View:
     prompts: list[str]
     n: int
     top_n: int | None
-    tokenizer: object = None
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_input_tokens: dict[int, int] = field(default_factory=dict)

@@ -108,16 +108,19 @@ def run_together(argvs: list[list[str]], env: dict[str, str]) -> int:
     def stop(signum, frame) -> None:
         stopped.append(signum)
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = None
-    while status is None and not stopped:
-        for child in children:
-            if child.poll() is not None:
-                status = child.returncode
-                break
-        else:
-            time.sleep(0.2)
+    try:
+        while status is None and not stopped:
+            for child in children:
+                if child.poll() is not None:
+                    status = child.returncode
+                    break
+            else:
+                time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     for child in children:
         if child.poll() is None:
             child.terminate()

@@ -212,3 +212,39 @@ def test_completion_logprobs_and_echo_offsets(client):
     assert out.choices[0].text == PROMPT + "".join(logprobs.tokens)
     plain = client.completions.create(model="llm", prompt=PROMPT, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_make_serve_stops_tritonserver_and_the_frontend_together():
+    """``serve.launch.run_together``: when one child ends, the other is stopped and its status returned."""
+    import subprocess
+    import sys
+
+    from serve.launch import run_together
+
+    start = time.monotonic()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    assert run_together([sleeper, [sys.executable, "-c", "import sys; sys.exit(3)"]], env=None) == 3
+    assert time.monotonic() - start < 20
+    assert subprocess.run(["pgrep", "-f", "time.sleep.60."], capture_output=True).stdout == b""
+
+
+@pytest.mark.server
+def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_it(frontend, triton_server):
+    aborts = triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2")
+    body = {"model": "llm", "prompt": "Tell me a very long story.", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{frontend}/v1/completions", json=body, timeout=(5, 1.0))
+    assert wait_idle(triton_server) < 2.0
+    assert triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2") == aborts + 1
+
+
+def test_chat_template_override_replaces_the_tokenizers(tokenizer):
+    from openai_frontend.app import _render_chat
+    from openai_frontend.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Name three "}, {"type": "text", "text": "primary colors."}]}])
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    assert _render_chat(tokenizer, body, template) == "<user>Name three primary colors.<assistant>"
+    assert _render_chat(tokenizer, body, None) == tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True)
