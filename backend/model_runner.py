@@ -123,12 +123,16 @@ class ModelRunner:
 
     def _kernel_metadata(self, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
                          slot_mapping: torch.Tensor) -> AttentionMetadata:
-        device = self.device
+        device, i32 = self.device, torch.int32
+        counts = cu_seqlens[1:] - cu_seqlens[:-1]
+        nd = int(torch.cumprod(counts == 1, 0).sum())  # leading requests with one query token: decodes
         return KernelAttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device),
-            cu_seqlens_q=cu_seqlens.to(device=device, dtype=torch.int32),
-            seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-            block_tables=block_tables.to(device=device, dtype=torch.int32))
+            kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=nd,
+            decode_seq_lens=seq_lens[:nd].to(device=device, dtype=i32),
+            decode_block_tables=block_tables[:nd].to(device=device, dtype=i32),
+            cu_seqlens_q=(cu_seqlens[nd:] - nd).to(device=device, dtype=i32),
+            seq_lens=seq_lens[nd:].to(device=device, dtype=i32),
+            block_tables=block_tables[nd:].to(device=device, dtype=i32))
 
     def _torch_metadata(self, counts: list[int], starts: list[int], seq_lens: torch.Tensor,
                         cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
