@@ -28,6 +28,9 @@ class EngineConfig:
             decode kernel (``kernels/cpu``, compiled on first use); None uses them wherever they are available,
             False never (gather + SDPA), True forces the Triton kernels (under ``TRITON_INTERPRET=1`` on CPU).
         enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before) match.
+        cpu_threads_bind: pin the torch threads to CPU cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``
+            pins when the threads use every CPU the process may run on, ``off`` never, or a CPU list such as
+            ``0-3`` (which also sets the thread count). See :mod:`backend.cpu_threads`.
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
@@ -46,10 +49,15 @@ class EngineConfig:
     use_kernels: bool | None = None
     enable_prefix_caching: bool = True
     model_impl: str = "auto"
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+        if self.cpu_threads_bind not in ("auto", "off"):
+            from backend.cpu_threads import parse_cpu_list
+
+            parse_cpu_list(self.cpu_threads_bind)
         if self.model_impl not in ("auto", "transformers"):
             raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -91,6 +99,8 @@ def _parse(key: str, raw: object, annotation: str) -> object:
     if not isinstance(raw, str):
         return raw
     text = raw.strip()
+    if annotation == "str":  # a setting that is never None keeps its words ("auto" included)
+        return text
     if text == "" or text.lower() in ("none", "null", "auto"):
         return None
     try:

@@ -55,10 +55,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_path: Path, extra_args: list[str] | None = None) -> TritonServer:
+def start_server(log_path: Path, extra_args: list[str] | None = None,
+                 model_repository: Path | None = None) -> TritonServer:
     http, grpc, metrics = free_port(), free_port(), free_port()
+    repository = {} if model_repository is None else {"model_repository": model_repository}
     command = build_command(http_port=http, grpc_port=grpc, metrics_port=metrics,
-                            extra_args=["--metrics-interval-ms=200", *(extra_args or [])])
+                            extra_args=["--metrics-interval-ms=200", *(extra_args or [])], **repository)
     log = open(log_path, "wb")
     process = subprocess.Popen(command.argv, env=command.env, stdout=log, stderr=subprocess.STDOUT)
     server = TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
