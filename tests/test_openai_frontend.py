@@ -1,5 +1,8 @@
 """The OpenAI frontend with the official ``openai`` SDK, against a real tritonserver (the session's) and the
-frontend served in-process by uvicorn on a free port."""
+frontend served in-process by uvicorn on a free port.
+
+Tests that compare two greedy answers address ``llm/1``, which runs fp32: version 2 may run bf16, where the
+output depends on what shares the batch and on prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from openai_frontend.errors import error_from_triton
 from triton_server import free_port
 
 PROMPT = "The three primary colors are"
+FP32 = "llm/1"  # greedy output independent of batch and prefix cache
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
 
 
@@ -71,7 +75,7 @@ def test_health_and_models_list_every_served_version(frontend, client):
 
 @pytest.mark.server
 def test_completion_usage_counts_the_model_tokens(client):
-    out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=8, temperature=0)
+    out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=8, temperature=0)
     choice = out.choices[0]
     assert out.object == "text_completion" and choice.finish_reason == "length" and choice.text
     assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens == 5
@@ -82,16 +86,16 @@ def test_completion_usage_counts_the_model_tokens(client):
 
 @pytest.mark.server
 def test_chat_renders_the_tokenizers_template_and_streams_the_same_answer(client, tokenizer):
-    whole = client.chat.completions.create(model="llm", messages=MESSAGES, max_completion_tokens=12,
+    whole = client.chat.completions.create(model=FP32, messages=MESSAGES, max_completion_tokens=12,
                                            temperature=0, user="ignored")
     message = whole.choices[0].message
     assert whole.object == "chat.completion" and message.role == "assistant" and message.content
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    same = client.completions.create(model="llm", prompt=rendered, max_tokens=12, temperature=0)
+    same = client.completions.create(model=FP32, prompt=rendered, max_tokens=12, temperature=0)
     assert same.choices[0].text == message.content
     assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered))
 
-    chunks = list(client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=12, temperature=0,
+    chunks = list(client.chat.completions.create(model=FP32, messages=MESSAGES, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
@@ -117,21 +121,21 @@ def test_sse_stream_ends_with_done(frontend):
 @pytest.mark.server
 def test_n_2_seeded_completions_are_reproducible(client):
     def run():
-        out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
+        out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
         return sorted((c.index, c.text) for c in out.choices), out.usage
     first, usage = run()
     assert [i for i, _ in first] == [0, 1] and first[0][1] != first[1][1]
     assert run()[0] == first
-    assert usage.completion_tokens == sum(12 for _ in first) or usage.completion_tokens <= 24
+    assert 2 <= usage.completion_tokens <= 24
     streamed = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=6, n=2, stream=True)
     assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
 
 
 @pytest.mark.server
 def test_stop_string_ends_the_text_before_it(client):
-    greedy = client.completions.create(model="llm", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    greedy = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     word = greedy.split()[2]
-    stopped = client.completions.create(model="llm", prompt=PROMPT, max_tokens=16, temperature=0, stop=[word])
+    stopped = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=16, temperature=0, stop=[word])
     assert stopped.choices[0].text == greedy[:greedy.index(word)]
     assert stopped.choices[0].finish_reason == "stop"
 
@@ -184,7 +188,7 @@ def test_vllm_logprobs_form_has_the_sampled_token_and_the_top_n_ranked():
 
 @pytest.mark.server
 def test_chat_logprobs_top_1_is_the_sampled_token_at_temperature_0(client):
-    out = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=8, temperature=0,
+    out = client.chat.completions.create(model=FP32, messages=MESSAGES, max_tokens=8, temperature=0,
                                          logprobs=True, top_logprobs=3)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens == 8
@@ -194,10 +198,11 @@ def test_chat_logprobs_top_1_is_the_sampled_token_at_temperature_0(client):
         assert token.top_logprobs[0].token == token.token
         assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
         assert token.bytes == list(token.token.encode())
-    streamed = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=8, temperature=0,
+    streamed = client.chat.completions.create(model=FP32, messages=MESSAGES, max_tokens=8, temperature=0,
                                               logprobs=True, top_logprobs=3, stream=True)
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+    assert [t.token for t in tokens] == [t.token for t in content]
+    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in content], abs=1e-4)
 
 
 @pytest.mark.server
