@@ -93,3 +93,4 @@ def test_failing_forward_fails_its_requests_then_a_permanent_fault_kills_the_eng
         engine.check_health()
     with pytest.raises(EngineDeadError):
         engine.add_request([1, 2, 3], LONG)
+

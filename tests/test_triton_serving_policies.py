@@ -39,7 +39,7 @@ def server(tmp_path_factory, default_model_dir):
     (model / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / "llm" / "1" / "model.py")
     (model / "1" / "engine.json").write_text(json.dumps(SETTINGS))
     server = start_server(root / "tritonserver.log", model_repository=root / "models",
-                          env={ENV_VAR: str(root / "fault")})
+                          env={ENV_VAR: str(root / "fault")}, extra_args=["--exit-timeout-secs=5"])
     server.fault = root / "fault"
     yield server
     stop_server(server)
@@ -169,9 +169,12 @@ def test_permanently_failing_engine_turns_readiness_false_and_refuses_fast(clien
     ready_url = f"{server.http_url}/v2/models/llm/ready"
     assert requests.get(ready_url).status_code == 200
     server.fault.touch()
-    for _ in range(3):
-        with pytest.raises(LLMError, match="injected fault|engine is dead"):
-            client.generate("Hello", max_tokens=4)
+    try:
+        for _ in range(3):
+            with pytest.raises(LLMError, match="injected fault|engine is dead"):
+                client.generate("Hello", max_tokens=4)
+    finally:
+        server.fault.unlink()
     died = time.monotonic()
     took = poll(lambda: requests.get(ready_url).status_code != 200 and time.monotonic() - died, what="not ready")
     assert not server.is_ready()
@@ -180,4 +183,38 @@ def test_permanently_failing_engine_turns_readiness_false_and_refuses_fast(clien
         client.generate("Hello", max_tokens=4)
     refused = time.monotonic() - start
     print(f"model not ready {took:.2f} s after the engine died; next request refused in {refused * 1000:.0f} ms")
+    assert refused < 0.5
+
+
+def test_reloaded_model_serves_again_and_unload_lets_requests_in_flight_finish(client, server):
+    """Triton 2.51 unloads a model only once its requests in flight are done (no limit), and routes no new
+    request to it meanwhile; the model's ``finalize`` then finds nothing left to abort."""
+    assert requests.post(f"{server.http_url}/v2/repository/models/llm/load").status_code == 200  # recovery
+    poll(server.is_ready, timeout=120, what="ready again")
+    assert client.generate("Hello", max_tokens=4).num_output_tokens == 4
+    streams = {}
+
+    def run(name, max_tokens):
+        streams[name] = []
+        for delta in client.stream_grpc("Tell me a story.", max_tokens=max_tokens, ignore_eos=True):
+            streams[name].append(delta)
+
+    threads = [threading.Thread(target=run, args=(name, n)) for name, n in (("short", 8), ("long", 24))]
+    for t in threads:
+        t.start()
+    poll(lambda: all(streams.get(name) for name in ("short", "long")), what="both streaming")
+    unload = threading.Thread(target=requests.post, args=(f"{server.http_url}/v2/repository/models/llm/unload",))
+    unload.start()
+    poll(lambda: requests.get(f"{server.http_url}/v2/models/llm/ready").status_code != 200, what="not ready")
+    start = time.monotonic()
+    with pytest.raises(LLMError, match="unknown model"):
+        client.generate("Hello", max_tokens=4)
+    refused = time.monotonic() - start
+    for t in threads:
+        t.join(60)
+    unload.join(60)
+    assert not unload.is_alive(), "unload hangs"
+    assert [streams[name][-1].finish_reason for name in ("short", "long")] == ["length", "length"]
+    assert [streams[name][-1].num_output_tokens for name in ("short", "long")] == [8, 24]
+    print(f"during the unload a new request was refused in {refused * 1000:.0f} ms")
     assert refused < 0.5
