@@ -81,14 +81,22 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 @dataclass
 class KernelAttentionMetadata(AttentionMetadata):
-    """The Triton kernels of ``kernels/``: the whole batch in varlen form, all int32 as the kernels require.
+    """The Triton kernels of ``kernels/``: the batch in varlen form, all int32 as the kernels require. The
+    first ``num_decodes`` requests have one query row each and go through the decode kernel (split-K over the
+    context, Flash-Decoding); the rest through the prefill kernel, with their own slices of the tensors.
 
     Attributes:
-        cu_seqlens_q: ``[num_seqs + 1]`` int32, packed query rows of each request.
-        seq_lens: ``[num_seqs]`` int32, context length of each request after this step.
-        block_tables: ``[num_seqs, max_blocks]`` int32.
+        num_decodes: requests (and packed rows) at the front with a single query token.
+        decode_seq_lens / decode_block_tables: ``[num_decodes]`` / ``[num_decodes, max_blocks]`` int32.
+        cu_seqlens_q: ``[num_prefills + 1]`` int32, packed query rows of each later request, counted from row
+            ``num_decodes``.
+        seq_lens: ``[num_prefills]`` int32, context length of each later request after this step.
+        block_tables: ``[num_prefills, max_blocks]`` int32.
     """
 
+    num_decodes: int
+    decode_seq_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
@@ -145,10 +153,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
         import kernels
 
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        return kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                               meta.cu_seqlens_q, meta.seq_lens, scale,
-                                               sliding_window=options.sliding_window, softcap=options.softcap,
-                                               sinks=options.sinks)
+        variant = {"sliding_window": options.sliding_window, "softcap": options.softcap, "sinks": options.sinks}
+        nd = meta.num_decodes
+        if nd == q.shape[0]:
+            return kernels.paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
+                                                  meta.decode_seq_lens, scale, **variant)
+        prefill = kernels.paged_prefill_attention(q[nd:], key_cache, value_cache, meta.block_tables,
+                                                  meta.cu_seqlens_q, meta.seq_lens, scale, **variant)
+        if nd == 0:
+            return prefill
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out[:nd] = kernels.paged_decode_attention(q[:nd], key_cache, value_cache, meta.decode_block_tables,
+                                                  meta.decode_seq_lens, scale, **variant)
+        out[nd:] = prefill
+        return out
 
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
     if not options.is_plain:

@@ -34,6 +34,9 @@ class EngineConfig:
             nothing waits.
         max_num_waiting_tokens: most tokens (prompt, or prompt plus output so far when preempted) of the
             waiting requests; past it the same error.
+        cpu_threads_bind: pin the torch threads to CPU cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``
+            pins when the threads use every CPU the process may run on, ``off`` never, or a CPU list such as
+            ``0-3`` (which also sets the thread count). See :mod:`backend.cpu_threads`.
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
@@ -54,10 +57,15 @@ class EngineConfig:
     max_num_waiting_requests: int = 1024
     max_num_waiting_tokens: int = 1 << 20
     model_impl: str = "auto"
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+        if self.cpu_threads_bind not in ("auto", "off"):
+            from backend.cpu_threads import parse_cpu_list
+
+            parse_cpu_list(self.cpu_threads_bind)
         if self.model_impl not in ("auto", "transformers"):
             raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
@@ -100,6 +108,8 @@ def _parse(key: str, raw: object, annotation: str) -> object:
     if not isinstance(raw, str):
         return raw
     text = raw.strip()
+    if annotation == "str":  # a setting that is never None keeps its words ("auto" included)
+        return text
     if text == "" or text.lower() in ("none", "null", "auto"):
         return None
     try:

@@ -20,7 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from backend.config import EngineConfig
+from backend.cpu_threads import plan_binding
 from backend.errors import EngineOverloadedError
 from backend.fault_injection import FaultInjector
 from backend.kv_cache_manager import KVCacheManager
@@ -65,8 +68,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                sliding_window=sliding_window)
         self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len)
+        cpu_threads = None
+        if cpu_kernel:  # pinning goes through the CPU kernels' extension
+            cpu_threads = plan_binding(config.cpu_threads_bind, torch.get_num_threads())
         self.model_runner = ModelRunner(model, num_blocks, config.block_size, use_kernels, max_model_len,
-                                        compact=config.model_impl == "auto", cpu_kernel=cpu_kernel)
+                                        compact=config.model_impl == "auto", cpu_kernel=cpu_kernel,
+                                        cpu_threads=cpu_threads)
         self._cond = threading.Condition()
         self._new: list[Request] = []
         self._aborts: list[str] = []

@@ -14,6 +14,7 @@ import torch
 
 from backend.attention import (ATTENTION_NAME, AttentionMetadata, GatherWorkspace, KernelAttentionMetadata,
                                PrefillSpan, TorchAttentionMetadata)
+from backend.cpu_threads import ThreadBinder
 from backend.models import build_decoder
 from backend.sampler import Sampler, TokenLogprobs
 from backend.scheduler_output import SchedulerOutput
@@ -48,11 +49,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, use_kernels: bool,
-                 max_model_len: int, compact: bool = True, cpu_kernel: bool = False) -> None:
+                 max_model_len: int, compact: bool = True, cpu_kernel: bool = False,
+                 cpu_threads: list[int] | None = None) -> None:
         self.block_size = block_size
         self.use_kernels = use_kernels
         self.cpu_kernel = cpu_kernel  # decodes through kernels/cpu (reads blocks in place) instead of gather + SDPA
         self.sampler = Sampler()
+        self.thread_binder = ThreadBinder(cpu_threads)  # pins the stepping thread's torch threads (CPU only)
         self.workspace = GatherWorkspace()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -72,6 +75,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over all scheduled tokens, packed with no padding; logits only for each
         request's last scheduled token, and only when that token is the request's last."""
+        self.thread_binder.ensure_bound()
         scheduled = sched.scheduled
         counts = [s.num_scheduled_tokens for s in scheduled]
         starts = [s.num_computed_tokens for s in scheduled]
@@ -119,12 +123,16 @@ class ModelRunner:
 
     def _kernel_metadata(self, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
                          slot_mapping: torch.Tensor) -> AttentionMetadata:
-        device = self.device
+        device, i32 = self.device, torch.int32
+        counts = cu_seqlens[1:] - cu_seqlens[:-1]
+        nd = int(torch.cumprod(counts == 1, 0).sum())  # leading requests with one query token: decodes
         return KernelAttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device),
-            cu_seqlens_q=cu_seqlens.to(device=device, dtype=torch.int32),
-            seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-            block_tables=block_tables.to(device=device, dtype=torch.int32))
+            kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=nd,
+            decode_seq_lens=seq_lens[:nd].to(device=device, dtype=i32),
+            decode_block_tables=block_tables[:nd].to(device=device, dtype=i32),
+            cu_seqlens_q=(cu_seqlens[nd:] - nd).to(device=device, dtype=i32),
+            seq_lens=seq_lens[nd:].to(device=device, dtype=i32),
+            block_tables=block_tables[nd:].to(device=device, dtype=i32))
 
     def _torch_metadata(self, counts: list[int], starts: list[int], seq_lens: torch.Tensor,
                         cu_seqlens: torch.Tensor, block_tables: torch.Tensor,

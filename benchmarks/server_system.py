@@ -1,14 +1,17 @@
 """Our engine behind a real tritonserver, timed at the client: one thread and one gRPC stream per request,
 each sent at its arrival time; every streamed response is timestamped when the client receives it.
 
-The server runs model ``llm`` version 2, whose ``engine.json`` overrides nothing: ``config.pbtxt``'s settings
-(max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, float32, KV cache sized from free memory:
-20% of it, at most 4 GiB) on the default model, with torch's default thread count in its own process. Its running batch is sampled from
+The server runs model ``llm`` version 2 of a copy of ``model_repository/`` whose ``2/engine.json`` sets only the
+benchmark's dtype (so that in-process and served runs compute the same thing): otherwise ``config.pbtxt``'s
+settings (max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, KV cache sized from free memory: 20% of
+it, at most 4 GiB) on the default model, with torch's default thread count in its own process. Its running batch is sampled from
 its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -18,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.config import BenchConfig
+from serve.launch import DEFAULT_MODEL_REPOSITORY
 from benchmarks.records import RequestRecord, SystemRun
 from benchmarks.workload import BenchRequest, Workload, sleep_until
 
@@ -37,11 +41,16 @@ class ServerSystem:
 
         from client import LLMClient
 
-        self.log_path = Path(tempfile.mkdtemp(prefix="bench-triton-")) / "tritonserver.log"
+        workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
+        self.log_path = workdir / "tritonserver.log"
+        repository = workdir / "model_repository"
+        shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        (repository / "llm" / MODEL_VERSION / "engine.json").write_text(json.dumps({"dtype": config.dtype}))
         try:
-            self.server = start_server(self.log_path)
+            self.server = start_server(self.log_path, model_repository=repository)
         except RuntimeError:  # start-up races with other servers on the machine happen: one more try
-            self.server = start_server(self.log_path)
+            self.server = start_server(self.log_path, model_repository=repository)
         self.client = LLMClient(self.server.grpc_url, self.server.http_url, version=MODEL_VERSION)
         self.progress = config.progress
         list(self.client.stream_grpc("Hello", max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up

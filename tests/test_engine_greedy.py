@@ -125,15 +125,30 @@ def test_single_token_stream_has_one_final_delta(make_engine, tiny_model_dir):
     assert drain(sink) == []
 
 
-def test_triton_kernel_path_matches_the_torch_path(make_engine, tiny_model_dir, tiny_reference, tokenizer):
-    """The engine's one switch: attention through kernels/ (here under TRITON_INTERPRET) gives the same tokens."""
+def test_triton_kernel_path_matches_the_torch_path(monkeypatch, make_engine, tiny_model_dir, tiny_reference,
+                                                   tokenizer):
+    """The engine's one switch: attention through kernels/ (here under TRITON_INTERPRET) gives the same tokens;
+    decode rows go through the decode kernel, the other rows of a mixed step through the prefill kernel."""
     import os
+
+    import kernels
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton interpreter (set by conftest on machines without a GPU)")
+    calls = {"decode": 0, "prefill": 0}
+
+    def counting(name, kernel):
+        def wrapper(query, *args, **kwargs):
+            calls[name] += query.shape[0]
+            return kernel(query, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", counting("decode", kernels.paged_decode_attention))
+    monkeypatch.setattr(kernels, "paged_prefill_attention", counting("prefill", kernels.paged_prefill_attention))
     engine = make_engine(tiny_model_dir, use_kernels=True, max_num_batched_tokens=24)
     prompts = mixed_prompts(tokenizer, [3, 30, 17], seed=5)
     check_all(engine, tiny_reference, prompts, 6, "kernels")
+    assert calls["decode"] > 0 and calls["prefill"] > 0
 
 
 @pytest.mark.parametrize("model_impl", ["auto", "transformers"])

@@ -2,6 +2,7 @@
 
 - ``paged_decode_attention``: one query token per sequence over the paged KV cache, reading each block in
   place through the block table (no gather), fp32 softmax and accumulation.
+- ``bind_threads``: pins the OpenMP threads of the calling thread's team to given CPUs.
 - ``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``: the elementwise parts of a
   Llama-family layer, one pass each instead of eager torch's chains of small operations (on two cores at
   batch 64 those chains cost more than the GEMMs). Each rounds where transformers' modules round, so bf16
@@ -23,11 +24,12 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = ("common.h", "paged_attention.cpp", "rms_norm.cpp", "rotary.cpp", "activation.cpp")
+SOURCES = ("common.h", "paged_attention.cpp", "rms_norm.cpp", "rotary.cpp", "activation.cpp", "threads.cpp")
 # -fno-trapping-math lets loops that convert floats to integers (the exp below) vectorize; 512-bit vectors
 # measured 10-20% faster than GCC's default 256 on the elementwise kernels (AMX Xeon).
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-mprefer-vector-width=512", "-fopenmp"]
-FUNCTIONS = ["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+FUNCTIONS = ["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+             "bind_threads"]
 
 
 def _translation_unit() -> str:
@@ -143,3 +145,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
     _module().silu_and_mul(out, gate_up)
     return out
+
+
+def bind_threads(cpus: list[int]) -> None:
+    """Pins the torch (OpenMP) threads that the calling thread's parallel regions use, thread ``i`` to CPU
+    ``cpus[i]`` (the calling thread is thread 0), as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` does. Call it from the
+    thread that runs the forward passes, with ``len(cpus) == torch.get_num_threads()``.
+
+    Raises:
+        RuntimeError: the extension could not be built, or a CPU id is not one this process may use.
+    """
+    failed = _module().bind_threads(list(cpus))
+    if failed:
+        raise RuntimeError(f"could not pin {failed} of {len(cpus)} threads to CPUs {cpus}")
