@@ -54,7 +54,7 @@ class ModelRunner:
         self.block_size = block_size
         self.use_kernels = use_kernels
         self.cpu_kernel = cpu_kernel  # decodes through kernels/cpu (reads blocks in place) instead of gather + SDPA
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernels=cpu_kernel)
         self.thread_binder = ThreadBinder(cpu_threads)  # pins the stepping thread's torch threads (CPU only)
         self.workspace = GatherWorkspace()
         param = next(model.parameters())

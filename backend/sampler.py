@@ -41,6 +41,9 @@ class Sampler:
     shares its batch.
     """
 
+    def __init__(self, cpu_kernels: bool = False) -> None:
+        self.cpu_kernels = cpu_kernels  # greedy-only batches pick through kernels/cpu's argmax (no fp32 copy)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """
         Args:
@@ -49,6 +52,10 @@ class Sampler:
         Returns:
             One token id per request, and logprobs for the requests that asked.
         """
+        if self.cpu_kernels and logits.device.type == "cpu" and all(_plain_greedy(r) for r in requests):
+            import kernels.cpu  # the argmax of the model's-dtype logits equals that of their fp32 copy
+
+            return SamplerOutput(kernels.cpu.argmax(logits).tolist(), [None] * len(requests))
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -153,3 +160,11 @@ def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
         values, indices = row.topk(top_n)
         top = dict(zip(indices.tolist(), values.tolist()))
     return TokenLogprobs(token_id, row[token_id].item(), top)
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy with nothing that changes the logits first and no logprobs wanted."""
+    params = request.params
+    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty
+            and request.num_output_tokens >= params.min_tokens and not request.bad_words_token_ids)

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from backend import EngineConfig, LLMEngine  # noqa: E402
+from backend import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from backend.model_loader import resolve_model_dir  # noqa: E402
 
 TINY_FAMILIES = {
@@ -132,3 +132,18 @@ def triton_server(default_model_dir, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("triton") / "tritonserver.log")
     yield server
     stop_server(server)
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def check_all(engine, reference, prompts, max_tokens, label):
+    """Runs ``prompts`` through ``engine`` together, greedily; each must equal ``reference``'s solo greedy output."""
+    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=str(i))
+             for i, p in enumerate(prompts)}
+    results = run_to_completion(engine, sinks)
+    for i, prompt in enumerate(prompts):
+        got = [t for out in results[str(i)] for t in out.token_ids]
+        want, logits = reference.greedy(prompt, max_tokens)
+        assert_matches_reference(got, want, logits, f"{label} request {i}")
+    return results

@@ -99,3 +99,16 @@ def test_kernels_reject_mismatched_shapes():
         kernels.cpu.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         kernels.cpu._module().silu_and_mul(torch.empty(4, 5), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_reads_the_models_dtype_and_breaks_ties_to_the_first_index(dtype):
+    torch.manual_seed(5)
+    logits = (torch.randn(9, 1000) * 4).to(dtype)
+    logits[0, [7, 500, 999]] = 50.0  # a tie: the first wins
+    logits[1] = float("-inf")
+    logits[1, 321] = -3.0  # everything else masked
+    logits[2, -1] = 60.0  # the last column
+    got = kernels.cpu.argmax(logits)
+    assert got.tolist() == logits.float().argmax(-1).tolist()
+    assert got[0] == 7 and got[1] == 321 and got[2] == 999

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from backend import SamplingParams
-from conftest import ReferenceModel, assert_matches_reference, build_tiny_model, drain, run_to_completion
+from conftest import (GREEDY, ReferenceModel, assert_matches_reference, build_tiny_model, check_all, drain,
+                      run_to_completion)
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def mixed_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -22,15 +22,6 @@ def mixed_prompts(tokenizer, lengths: list[int], seed: int = 0) -> list[list[int
     return prompts
 
 
-def check_all(engine, reference, prompts, max_tokens, label):
-    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=str(i))
-             for i, p in enumerate(prompts)}
-    results = run_to_completion(engine, sinks)
-    for i, prompt in enumerate(prompts):
-        got = [t for out in results[str(i)] for t in out.token_ids]
-        want, logits = reference.greedy(prompt, max_tokens)
-        assert_matches_reference(got, want, logits, f"{label} request {i}")
-    return results
 
 
 def test_mixed_prompt_lengths_match_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):

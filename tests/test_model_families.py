@@ -17,9 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from backend import SamplingParams
 from backend.attention_options import UnsupportedAttentionError, attention_options
 from backend.model_support import UnsupportedModelError, inspect_attention
-from conftest import ReferenceModel, assert_matches_reference, run_to_completion
+from conftest import GREEDY, ReferenceModel, check_all, run_to_completion
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 WINDOW = 8
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
@@ -83,14 +82,7 @@ def prompts_for(tokenizer, lengths, seed=0):
 
 
 def check_greedy(engine, model_dir, prompts, max_tokens, label):
-    reference = ReferenceModel(model_dir)
-    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=str(i))
-             for i, p in enumerate(prompts)}
-    results = run_to_completion(engine, sinks)
-    for i, prompt in enumerate(prompts):
-        got = [t for out in results[str(i)] for t in out.token_ids]
-        want, logits = reference.greedy(prompt, max_tokens)
-        assert_matches_reference(got, want, logits, f"{label} request {i}")
+    check_all(engine, ReferenceModel(model_dir), prompts, max_tokens, label)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

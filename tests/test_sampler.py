@@ -94,3 +94,20 @@ def test_top_k_top_p_min_p_restrict_the_draw():
             request = Request("r", [1], SamplingParams(seed=seed, **settings), (), max_tokens=5)
             seen.add(Sampler()(logits.clone(), [request]).token_ids[0])
         assert seen == allowed, settings
+
+
+def test_greedy_batches_pick_through_the_cpu_kernel_exactly_as_torch_argmax():
+    """A batch of plain greedy requests takes kernels/cpu's argmax on the bf16 logits (no fp32 copy); a request
+    with a penalty sends the whole batch through the general path. Both give torch's argmax of the fp32 logits."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler for kernels/cpu")
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300).to(torch.bfloat16)
+    plain = [Request(str(i), [1, 2, 3], SamplingParams(temperature=0.0), (), max_tokens=5) for i in range(6)]
+    want = logits.float().argmax(-1).tolist()
+    assert Sampler(cpu_kernels=True)(logits, plain).token_ids == want
+    penalized = plain[:5] + [Request("p", [1, 2, 3], SamplingParams(temperature=0.0, presence_penalty=0.5), (),
+                                     max_tokens=5)]
+    assert Sampler(cpu_kernels=True)(logits, penalized).token_ids[:5] == want[:5]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels.cpu
-
 
 def _onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -77,6 +75,8 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
         """``out`` (without ``residual``): write the result there (it may be ``x``: a per-head norm in place)."""
         if self.cpu_kernels:
+            import kernels.cpu  # here, not at the top: `kernels` imports Triton, which the torch path never needs
+
             if residual is None:
                 return kernels.cpu.rms_norm(x, self.weight, self.eps, out=out)
             kernels.cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -106,6 +106,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         The rotated ``(q, k)``.
     """
     if cpu_kernels:
+        import kernels.cpu
+
         kernels.cpu.rotary_embedding(q, k, cos, sin)
         return q, k
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -121,6 +123,8 @@ def silu_and_mul(gate_up: torch.Tensor, cpu_kernels: bool = False) -> torch.Tens
     """SwiGLU (Shazeer 2020): ``[num_tokens, 2 * d]`` (gate then up) -> ``silu(gate) * up``, ``[num_tokens, d]``
     (one C++ pass with ``cpu_kernels``)."""
     if cpu_kernels:
+        import kernels.cpu
+
         return kernels.cpu.silu_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
