@@ -28,6 +28,12 @@ class EngineConfig:
             decode kernel (``kernels/cpu``, compiled on first use); None uses them wherever they are available,
             False never (gather + SDPA), True forces the Triton kernels (under ``TRITON_INTERPRET=1`` on CPU).
         enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before) match.
+        max_num_waiting_requests: most requests (completions) waiting to be scheduled, preempted ones
+            included; past it ``add_request`` raises :class:`~backend.errors.EngineOverloadedError` (vLLM's
+            ``--max-num-queued-reqs``, Triton's ``max_queue_size``). A request is always accepted when
+            nothing waits.
+        max_num_waiting_tokens: most tokens (prompt, or prompt plus output so far when preempted) of the
+            waiting requests; past it the same error.
         cpu_threads_bind: pin the torch threads to CPU cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``
             pins when the threads use every CPU the process may run on, ``off`` never, or a CPU list such as
             ``0-3`` (which also sets the thread count). See :mod:`backend.cpu_threads`.
@@ -48,6 +54,8 @@ class EngineConfig:
     num_threads: int | None = None
     use_kernels: bool | None = None
     enable_prefix_caching: bool = True
+    max_num_waiting_requests: int = 1024
+    max_num_waiting_tokens: int = 1 << 20
     model_impl: str = "auto"
     cpu_threads_bind: str = "auto"
 
@@ -60,7 +68,8 @@ class EngineConfig:
             parse_cpu_list(self.cpu_threads_bind)
         if self.model_impl not in ("auto", "transformers"):
             raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
+                     "max_num_waiting_tokens"):
             _require_positive_int(name, getattr(self, name))
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:

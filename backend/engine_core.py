@@ -4,18 +4,28 @@ It knows no text, sinks or caller ids: it takes :class:`Request` objects and abo
 runs ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` -> ``Scheduler.update_from_output()`` and
 returns which requests gained a token or ended (:class:`EngineCoreOutput`). The output processor turns
 those into deltas.
+
+Admission control lives here because the inbox does: ``add_requests`` refuses work past the bound on
+waiting requests and tokens (:class:`~backend.errors.EngineOverloadedError`), counted against the
+scheduler's waiting queue as of the last step plus the inbox. Deadlines too: each step first ends the
+requests whose ``deadline`` has passed (``FINISHED_TIMEOUT``), waiting or running, freeing their blocks.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from backend.config import EngineConfig
 from backend.cpu_threads import plan_binding
+from backend.errors import EngineOverloadedError
+from backend.fault_injection import FaultInjector
 from backend.kv_cache_manager import KVCacheManager
 from backend.model_runner import ModelRunner
 from backend.request import Request, RequestStatus
@@ -33,7 +43,7 @@ class EngineCoreOutput:
 
     Attributes:
         new_token: requests that got a token (finished ones included).
-        ended: requests that ended without a token (aborted, or failed with ``error`` set).
+        ended: requests that ended without a token (aborted, timed out, or failed with ``error`` set).
         logprobs: request id -> logprobs of its new token, for requests that asked.
         sched: what was scheduled (None when the step only took its inbox).
     """
@@ -69,11 +79,39 @@ class EngineCore:
         self._aborts: list[str] = []
         self._woken = False
         self._requests: dict[str, Request] = {}  # unfinished requests taken from the inbox, by id
+        self.max_num_waiting_requests = config.max_num_waiting_requests
+        self.max_num_waiting_tokens = config.max_num_waiting_tokens
+        self._num_inbox_tokens = 0
+        self._num_waiting = 0  # the scheduler's waiting queue as of the last step (read under _cond)
+        self._num_waiting_tokens = 0
+        self.num_rejected = 0  # requests refused by add_requests since start
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap of (deadline, tie-break, request)
+        self._tiebreak = itertools.count()
+        self.fault_injector = FaultInjector()
+        self.num_consecutive_failed_steps = 0
+        self.last_step_error: str | None = None
 
     # -- inbox (any thread) -------------------------------------------------------------------------
     def add_requests(self, requests: list[Request]) -> None:
+        """Queues requests for the next step (all or none).
+
+        Raises:
+            EngineOverloadedError: with them, more than ``max_num_waiting_requests`` requests or
+                ``max_num_waiting_tokens`` tokens would wait (never when nothing waits).
+        """
+        tokens = sum(r.num_tokens for r in requests)
         with self._cond:
+            num_waiting = self._num_waiting + len(self._new)
+            num_tokens = self._num_waiting_tokens + self._num_inbox_tokens
+            if num_waiting and (num_waiting + len(requests) > self.max_num_waiting_requests
+                                or num_tokens + tokens > self.max_num_waiting_tokens):
+                self.num_rejected += 1
+                raise EngineOverloadedError(
+                    f"server is full: {num_waiting} requests ({num_tokens} tokens) already waiting, at most "
+                    f"{self.max_num_waiting_requests} requests and {self.max_num_waiting_tokens} tokens; "
+                    f"retry later")
             self._new.extend(requests)
+            self._num_inbox_tokens += tokens
             self._cond.notify()
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -109,9 +147,14 @@ class EngineCore:
         with self._cond:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
+            self._num_waiting += len(new)  # counted as waiting until the scheduler's count replaces it
+            self._num_waiting_tokens += self._num_inbox_tokens
+            self._num_inbox_tokens = 0
         for request in new:
             self._requests[request.request_id] = request
             self.scheduler.add_request(request)
+            if request.deadline is not None:
+                heapq.heappush(self._deadlines, (request.deadline, next(self._tiebreak), request))
         ended = []
         for request_id in aborts:
             request = self._requests.pop(request_id, None)
@@ -123,28 +166,56 @@ class EngineCore:
     def step(self) -> EngineCoreOutput:
         """Takes the inbox, then one scheduling + forward + sampling step.
 
-        A failed forward pass ends the step's requests with ``FINISHED_ERROR`` (in ``ended``); others go on.
+        Requests past their deadline end first (``FINISHED_TIMEOUT``, in ``ended``). A failed forward pass
+        ends the step's requests with ``FINISHED_ERROR`` (in ``ended``) and counts in
+        ``num_consecutive_failed_steps``; others go on.
         """
         out = EngineCoreOutput(ended=self.take_inbox())
+        out.ended += self._expire(time.monotonic())
         sched = self.scheduler.schedule()
+        self._publish_waiting()
         if sched.is_empty:
             return out
         out.sched = sched
         try:
+            self.fault_injector.check()
             result = self.model_runner.execute(sched)
         except Exception as exc:
             log.exception("forward pass failed for %d requests", len(sched.scheduled))
+            self.num_consecutive_failed_steps += 1
+            self.last_step_error = f"forward pass failed: {exc}"
             for request in sched.requests:
                 if not request.is_finished:
-                    self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, f"forward pass failed: {exc}")
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, self.last_step_error)
                     out.ended.append(self._requests.pop(request.request_id))
+            self._publish_waiting()
             return out
+        self.num_consecutive_failed_steps = 0
         out.new_token = self.scheduler.update_from_output(sched, result.sampled)
         out.logprobs = result.logprobs
         for request in out.new_token:
             if request.is_finished:
                 del self._requests[request.request_id]
         return out
+
+    def _expire(self, now: float) -> list[Request]:
+        """Ends the unfinished requests whose deadline (``time.monotonic`` seconds) is at or before ``now``."""
+        ended = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = heapq.heappop(self._deadlines)[2]
+            if not request.is_finished and self._requests.get(request.request_id) is request:
+                del self._requests[request.request_id]
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_TIMEOUT)
+                ended.append(request)
+        if len(self._deadlines) > 2 * len(self._requests) + 64:  # drop requests that finished before their deadline
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+            heapq.heapify(self._deadlines)
+        return ended
+
+    def _publish_waiting(self) -> None:
+        with self._cond:
+            self._num_waiting = len(self.scheduler.waiting)
+            self._num_waiting_tokens = self.scheduler.num_waiting_tokens
 
     def finish_on_stop_strings(self, requests: list[Request]) -> None:
         """Ends the requests whose text reached a stop string (found by the output processor this step)."""
@@ -160,6 +231,8 @@ class EngineCore:
         self._requests.clear()
         for request in failed:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, error)
+        self._deadlines.clear()
+        self._publish_waiting()
         return ended + failed
 
     def make_stats(self) -> SchedulerStats:

@@ -7,6 +7,10 @@ puts the deltas on the callers' sinks (``backend.output_processor``). A backgrou
 while there is work (continuous batching, Orca, Yu et al. OSDI 2022); it never calls out of the engine
 except to put deltas on sinks. After every step it publishes an :class:`EngineStats` snapshot, which
 ``stats()`` returns to any thread.
+
+Health (vLLM's ``EngineDeadError``): after ``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row fail, or if the
+loop thread dies, the engine is dead: what is in flight ends with ``error``, ``check_health`` and
+``add_request`` raise :class:`~backend.errors.EngineDeadError`, and only a new engine serves again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from backend.bad_words import bad_words_token_ids
 from backend.config import EngineConfig, resolve_dtype
 from backend.engine_core import EngineCore
+from backend.errors import EngineDeadError
 from backend.model_loader import load_model
 from backend.model_runner import kv_bytes_per_block
 from backend.model_support import inspect_attention
@@ -41,6 +46,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_FRACTION = 0.2  # of available memory, when the KV cache size is not given
 CPU_KV_CAP_BYTES = 4 << 30
 GPU_KV_FRACTION = 0.8  # of free device memory after loading the model
+MAX_CONSECUTIVE_FAILED_STEPS = 3  # then the engine is dead (a transient fault fails fewer steps)
 
 
 class LLMEngine:
@@ -87,6 +93,7 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._stopping = False
+        self._dead: str | None = None  # why the engine is dead, once it is
         self._num_steps = 0
         self._last_step = (0, 0, 0)
         self._stats_lock = threading.Lock()
@@ -94,13 +101,17 @@ class LLMEngine:
 
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, sink: queue.Queue | None = None) -> queue.Queue:
+                    request_id: str | None = None, sink: queue.Queue | None = None, priority: int = 0,
+                    timeout: float | None = None) -> queue.Queue:
         """Validates and queues a request.
 
         Args:
             prompt: text (UTF-8 ``bytes`` accepted) or token ids.
             sink: where this request's :class:`RequestOutput` deltas go; a new queue when None
                 (several requests may share one, e.g. the Triton model's sender thread).
+            priority: lower values are scheduled first and preempted last (vLLM's priority policy); 0 default.
+            timeout: seconds from now; then the request ends at the next step with finish_reason ``timeout``
+                and the output so far, waiting or running. None: no deadline.
 
         Returns:
             The sink.
@@ -108,9 +119,15 @@ class LLMEngine:
         Raises:
             ValueError: empty prompt, invalid UTF-8, token ids outside the vocabulary, a request that can
                 never fit (over ``max_prompt_bytes`` before tokenizing, over ``max_model_len`` after, or
-                bigger than the whole KV cache), or a duplicate request id. Nothing is queued then; other
-                requests are unaffected.
+                bigger than the whole KV cache), a duplicate request id, or a ``timeout`` that is not a
+                positive number. Nothing is queued then; other requests are unaffected.
+            EngineOverloadedError: the waiting queue is full (``max_num_waiting_requests`` /
+                ``max_num_waiting_tokens``); nothing is queued.
+            EngineDeadError: the engine is dead (:meth:`check_health`).
         """
+        self.check_health()
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_ids = self._tokenize(prompt)
@@ -123,9 +140,13 @@ class LLMEngine:
         parent = ParentRequest(request_id, params, sink)
         requests = parent.make_requests(prompt_ids, self.eos_token_ids, max_tokens,
                                         bad_words_token_ids(self.tokenizer, params.bad_words),
-                                        self.config.enable_prefix_caching)
+                                        self.config.enable_prefix_caching, priority, timeout)
         self.output_processor.add_request(parent, requests)  # raises on a duplicate id
-        self.engine_core.add_requests(requests)
+        try:
+            self.engine_core.add_requests(requests)
+        except Exception:
+            self.output_processor.remove_request(parent)
+            raise
         return sink
 
     def abort(self, request_id: str) -> None:
@@ -144,6 +165,18 @@ class LLMEngine:
             if out.done:
                 return
 
+    def check_health(self) -> None:
+        """Returns if the engine can serve (vLLM's ``check_health``).
+
+        Raises:
+            EngineDeadError: ``MAX_CONSECUTIVE_FAILED_STEPS`` steps failed in a row, or the loop thread died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping:
+            raise EngineDeadError("engine loop thread died")
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
@@ -151,7 +184,9 @@ class LLMEngine:
         """The snapshot taken after the latest step, plus the requests added since (counted as waiting)."""
         with self._stats_lock:
             stats = self._stats
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self.engine_core.num_inbox_requests)
+        core = self.engine_core
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + core.num_inbox_requests,
+                                   num_rejected=core.num_rejected)
 
     # -- the loop -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -180,12 +215,26 @@ class LLMEngine:
             self.engine_core.wait_for_work()
             if self._stopping:
                 return
+            core = self.engine_core
             try:
                 self.step()
             except Exception as exc:  # a bug must not kill the loop: fail what is in flight, keep serving
                 log.exception("engine step failed")
-                self._deliver(self.output_processor.make_outputs(
-                    [], self.engine_core.fail_all(f"engine error: {exc}"), {}))
+                core.num_consecutive_failed_steps += 1
+                core.last_step_error = f"engine error: {exc}"
+                self._check_failures()
+                self._deliver(self.output_processor.make_outputs([], core.fail_all(core.last_step_error), {}))
+            if self._dead is not None:
+                log.error("%s; refusing requests until restarted", self._dead)
+                self._deliver(self.output_processor.make_outputs([], core.fail_all(self._dead), {}))
+                return
+
+    def _check_failures(self) -> None:
+        """Declares the engine dead after ``MAX_CONSECUTIVE_FAILED_STEPS`` failed steps in a row."""
+        core = self.engine_core
+        if core.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS and self._dead is None:
+            self._dead = (f"engine is dead: {core.num_consecutive_failed_steps} steps failed in a row "
+                          f"(last: {core.last_step_error})")
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -202,6 +251,7 @@ class LLMEngine:
         stopped = self.output_processor.detokenize(core_out.new_token)
         self.engine_core.finish_on_stop_strings(stopped)
         deltas = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs)
+        self._check_failures()  # before delivering: whoever sees a failed request sees the engine's health
         stats = self._deliver(deltas)
         if self.step_log is not None and core_out.sched is not None:
             self.step_log.append(stats)

@@ -59,6 +59,14 @@ class OutputProcessor:
             self._parents[parent.request_id] = parent
             self._states.update((s.request.request_id, s) for s in states)
 
+    def remove_request(self, parent: ParentRequest) -> None:
+        """Forgets a request the engine core refused (it produced nothing)."""
+        with self._lock:
+            if self._parents.get(parent.request_id) is parent:
+                del self._parents[parent.request_id]
+            for request_id in parent.child_ids:
+                self._states.pop(request_id, None)
+
     def child_ids(self, request_id: str) -> list[str]:
         """The engine request ids of a caller's request in flight (none when unknown or done)."""
         with self._lock:

@@ -39,7 +39,7 @@ class RequestOutput:
     Attributes:
         token_ids: the tokens sampled since the last delta.
         text: their text (minus any tail held back as a possible stop string).
-        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` on the last delta, else None.
+        finish_reason: ``stop``, ``length``, ``abort``, ``error`` or ``timeout`` on the last delta, else None.
         num_prompt_tokens / num_output_tokens: totals so far.
         logprobs: per new token, when the request asked for logprobs.
         error: why the request failed, with finish_reason ``error``.

@@ -42,11 +42,13 @@ class ParentRequest:
         return [self.child_id(i) for i in range(self.params.n)]
 
     def make_requests(self, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...], max_tokens: int,
-                      bad_words_token_ids: list[list[int]], enable_prefix_caching: bool) -> list[Request]:
-        """The ``n`` engine requests; with prefix caching off and ``n`` > 1 they get a common cache salt."""
+                      bad_words_token_ids: list[list[int]], enable_prefix_caching: bool, priority: int = 0,
+                      timeout: float | None = None) -> list[Request]:
+        """The ``n`` engine requests; with prefix caching off and ``n`` > 1 they get a common cache salt.
+        ``priority`` and ``timeout`` (seconds) apply to each (:class:`~backend.request.Request`)."""
         salt = None if enable_prefix_caching or self.params.n == 1 else uuid.uuid4().hex
         return [Request(self.child_id(i), prompt_token_ids, self.params, eos_token_ids, max_tokens, i,
-                        bad_words_token_ids, cache_salt=salt)
+                        bad_words_token_ids, cache_salt=salt, priority=priority, timeout=timeout)
                 for i in range(self.params.n)]
 
     def finish_child(self) -> bool:

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_TIMEOUT = "timeout"
 
     @property
     def is_finished(self) -> bool:
@@ -25,7 +26,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """``stop``, ``length``, ``abort`` or ``error`` once finished, else None."""
+        """``stop``, ``length``, ``abort``, ``error`` or ``timeout`` once finished, else None."""
         return self.value if self.is_finished else None
 
 
@@ -44,7 +45,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0,
-                 bad_words_token_ids: list[list[int]] | None = None, cache_salt: str | None = None) -> None:
+                 bad_words_token_ids: list[list[int]] | None = None, cache_salt: str | None = None,
+                 priority: int = 0, timeout: float | None = None) -> None:
+        """``priority``: lower is scheduled first (vLLM's priority policy); ``timeout``: seconds from now after
+        which the request ends with finish_reason ``timeout`` (None: no deadline)."""
         self.request_id = request_id
         self.index = index  # which of the prompt's n completions (parallel sampling)
         self.params = params
@@ -66,6 +70,8 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.priority = priority
+        self.deadline = None if timeout is None else self.arrival_time + timeout  # time.monotonic seconds
 
     @property
     def num_tokens(self) -> int:

@@ -7,10 +7,15 @@ and decode are the same code path: a decode is a request one token behind.
 ``schedule()`` returns a :class:`~backend.scheduler_output.SchedulerOutput` holding each request's block
 table; ``update_from_output()`` applies the model runner's sampled tokens and the stopping rule
 (``backend.stopping``). The scheduler asks the KV cache manager through its methods only.
+
+Priorities follow vLLM's priority policy: a lower ``Request.priority`` waits ahead of a higher one (first
+come, first served among equals), and preemption takes the running request with the highest value (the
+newest among equals). With every priority equal this is plain FCFS.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -30,9 +35,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # by priority, then first come first served
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_waiting_tokens = 0  # tokens of the waiting requests (all to be computed when admitted)
 
     # -- admission ---------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -51,15 +57,26 @@ class Scheduler:
                              f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens")
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queues a request behind every waiting request of the same or a lower priority value."""
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """Into the waiting queue, kept sorted by priority: ahead of (``front``) or behind its equals."""
+        find = bisect.bisect_left if front else bisect.bisect_right
+        self.waiting.insert(find(self.waiting, request.priority, key=_priority), request)
+        self.num_waiting_tokens += request.num_tokens
+
+    def _dequeue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self.num_waiting_tokens -= request.num_tokens
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Running requests first (oldest first), then waiting ones while both budgets allow.
 
-        When a running request needs a block and none is free, the newest running request is preempted
-        (recompute: its blocks are freed and it goes back to the front of the waiting queue); no waiting
-        request is admitted in a step that preempted.
+        When a running request needs a block and none is free, the running request with the highest priority
+        value (the newest among equals) is preempted (recompute: its blocks are freed and it goes back to the
+        waiting queue, ahead of its equals); no waiting request is admitted in a step that preempted.
         """
         token_budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -70,7 +87,12 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
+                victim = self.running.pop(victim_index)
+                if victim_index < i:  # already scheduled this step: give its tokens back
+                    k = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    token_budget += scheduled.pop(k)[1]
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -91,6 +113,7 @@ class Scheduler:
             if request.num_preemptions == 0 and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
             self.waiting.popleft()
+            self.num_waiting_tokens -= request.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
@@ -107,7 +130,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     # -- after the forward pass --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -163,7 +186,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             try:
-                self.waiting.remove(request)
+                self._dequeue(request)
             except ValueError:
                 pass
         request.status = status
@@ -177,3 +200,7 @@ class Scheduler:
                               num_preemptions=self.num_preemptions,
                               num_computed_tokens=sum(r.num_computed_tokens for r in self.running),
                               kv=self.kv.usage())
+
+
+def _priority(request: Request) -> int:
+    return request.priority

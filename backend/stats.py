@@ -37,6 +37,7 @@ class EngineStats:
         prompt_tokens / generation_tokens: tokens computed for prompts (counted once per prompt, at its
             first output token) and tokens generated.
         finished: finish reason -> requests (completions) finished.
+        num_rejected: requests refused since start because the waiting queue was full.
         time: ``time.perf_counter()`` when the snapshot was taken, in seconds.
     """
 
@@ -53,4 +54,5 @@ class EngineStats:
     last_step_num_prefills: int = 0
     last_step_num_tokens: int = 0
     num_computed_tokens: int = 0
+    num_rejected: int = 0
     time: float = 0.0

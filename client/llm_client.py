@@ -13,13 +13,13 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-# Sampling options and the Triton datatype of each optional input.
+# Sampling and scheduling options and the Triton datatype of each optional input.
 SAMPLING_INPUTS = {
     "max_tokens": ("INT32", np.int32), "min_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32),
     "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32), "min_p": ("FP32", np.float32),
     "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
     "frequency_penalty": ("FP32", np.float32), "seed": ("INT64", np.int64), "ignore_eos": ("BOOL", np.bool_),
-    "n": ("INT32", np.int32),
+    "n": ("INT32", np.int32), "priority": ("INT32", np.int32), "timeout_ms": ("INT32", np.int32),
 }
 
 

@@ -3,6 +3,11 @@
 Where ``tritonserver`` is on PATH (the NGC container) it is used as is. Elsewhere the server bundled in
 the ``nvidia-pytriton`` wheel is used: its binary, its Python backend with the stub for this Python
 version copied beside ``libtriton_python.so``, and its shared libraries on ``LD_LIBRARY_PATH``.
+
+The server runs in explicit model-control mode with every model loaded at start (``--model-control-mode=explicit
+--load-model=*``): the same models as the default mode, plus the load/unload API, through which a model whose
+engine has died unloads itself so that its readiness turns false (``serve.health``). Pass another
+``--model-control-mode`` to override.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ def build_command(model_repository: Path = DEFAULT_MODEL_REPOSITORY, http_port: 
     # on PATH: this environment's bin first, so the stub sees this virtual environment's packages.
     # (It ignores PYTHONPATH; this project is importable there through its editable install or its cwd.)
     env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
+    extra_args = list(extra_args or [])
+    if not any(arg.startswith("--model-control-mode") for arg in extra_args):
+        extra_args = ["--model-control-mode=explicit", "--load-model=*", *extra_args]
     argv = [f"--model-repository={model_repository}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
-            f"--metrics-port={metrics_port}", "--allow-metrics=true", f"--log-verbose={log_verbose}",
-            *(extra_args or [])]
+            f"--metrics-port={metrics_port}", "--allow-metrics=true", f"--log-verbose={log_verbose}", *extra_args]
 
     on_path = shutil.which("tritonserver")
     if on_path:

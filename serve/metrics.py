@@ -10,7 +10,7 @@ from __future__ import annotations
 from backend import EngineStats, RequestMetrics
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 
 
 class EngineMetrics:
@@ -41,6 +41,8 @@ class EngineMetrics:
         self.usage = gauge("llm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
         self.prompt_tokens = counter("llm_prompt_tokens_total", "Prompt tokens prefilled")
         self.generation_tokens = counter("llm_generation_tokens_total", "Output tokens generated")
+        self.rejected = counter("llm_request_rejected_total",
+                                "Requests refused with UNAVAILABLE because the waiting queue was full")
         self.preemptions = counter("llm_num_preemptions_total", "Requests preempted (recompute)")
         self.prefix_queries = counter("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
@@ -80,6 +82,7 @@ class EngineMetrics:
         self.prompt_tokens.increment(stats.prompt_tokens - (last.prompt_tokens if last else 0))
         self.generation_tokens.increment(stats.generation_tokens - (last.generation_tokens if last else 0))
         self.preemptions.increment(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self.rejected.increment(stats.num_rejected - (last.num_rejected if last else 0))
         self.prefix_queries.increment(kv.prefix_cache_queries - (last.kv.prefix_cache_queries if last else 0))
         self.prefix_hits.increment(kv.prefix_cache_hits - (last.kv.prefix_cache_hits if last else 0))
         for reason, metric in self.finished.items():

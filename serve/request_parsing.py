@@ -33,6 +33,8 @@ TRTLLM_INPUTS: dict[str, type] = {
     "len_penalty": float, "length_penalty": float, "early_stopping": bool,
 }
 TRTLLM_LIST_INPUTS = ("stop_words", "bad_words")
+# Scheduling inputs (not sampling): ParsedRequest.priority (lower first) and .timeout_ms (a deadline).
+SCHEDULING_INPUTS: dict[str, type] = {"priority": int, "timeout_ms": int}
 
 # Limits checked before parsing (cheap checks before expensive work).
 MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
@@ -40,15 +42,24 @@ MAX_JSON_DEPTH = 4  # {"stop": ["..."]} is 2 deep
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1
 INT32_INPUTS = ("max_tokens", "min_tokens", "top_k", "n", "min_length", "end_id", "pad_id", "beam_width",
-                "num_return_sequences", "runtime_top_k")
+                "num_return_sequences", "runtime_top_k", "priority", "timeout_ms")
 
 
 @dataclass
 class ParsedRequest:
+    """One request as the engine takes it.
+
+    Attributes:
+        priority: lower is scheduled first (vLLM's priority policy); 0 when not given.
+        timeout_ms: the request's deadline, in milliseconds from its arrival; None for none.
+    """
+
     prompt: str
     params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
+    priority: int = 0
+    timeout_ms: int | None = None
 
 
 def check_request_id(request_id: str) -> str:
@@ -63,26 +74,31 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object]) -> ParsedRequest:
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
+                  triton_timeout_us: int = 0) -> ParsedRequest:
     """Builds the engine's view of one Triton request.
 
     Sampling values are read, later ones winning, from the request ``parameters`` (Triton's generate
     extension puts a ``"parameters": {...}`` object there), then the ``sampling_parameters`` JSON input,
     then the named input tensors (``max_tokens``, ``temperature``, ..., and the TensorRT-LLM names).
+    ``priority`` and ``timeout_ms`` are read the same way.
 
     Args:
         inputs: input name -> the tensor's numpy array (STRING inputs as ``object`` arrays of bytes).
         parameters: the request's parameters, decoded from JSON.
+        triton_timeout_us: Triton's own request timeout (``request.timeout()``, microseconds; 0 for none),
+            the deadline when no ``timeout_ms`` is given.
 
     Raises:
         ValueError: a message naming the field: missing ``text_input``, bad or oversized JSON, a value of the
-            wrong type or out of range (quoting the value sent), ``beam_width`` other than 1.
+            wrong type or out of range (quoting the value sent), ``beam_width`` other than 1, a
+            ``timeout_ms`` that is not positive.
     """
     if "text_input" not in inputs or inputs["text_input"].size == 0:
         raise ValueError("text_input is required")
     prompt = _text("text_input", _first(inputs["text_input"]))
 
-    scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS}
+    scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS, **SCHEDULING_INPUTS}
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
     for key, value in parameters.items():
@@ -109,6 +125,16 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object]) 
     for name in ("stop", "stop_words", "bad_words"):
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
+    priority = values.pop("priority", None)
+    timeout_ms = values.pop("timeout_ms", None)
+    for name, value in (("priority", priority), ("timeout_ms", timeout_ms)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{name} must be an integer, got {_clip(value)}")
+    priority = 0 if priority is None else priority
+    if timeout_ms is not None and timeout_ms <= 0:
+        raise ValueError(f"timeout_ms must be a positive number of milliseconds, got {timeout_ms}")
+    if timeout_ms is None and triton_timeout_us > 0:
+        timeout_ms = max(1, triton_timeout_us // 1000)
     aliases = _apply_trtllm_inputs(values)
     try:
         params = SamplingParams.from_dict(values)
@@ -122,7 +148,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object]) 
                 message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None
-    return ParsedRequest(prompt, params, stream, exclude)
+    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms)
 
 
 def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:

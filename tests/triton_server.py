@@ -55,14 +55,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_path: Path, extra_args: list[str] | None = None,
-                 model_repository: Path | None = None) -> TritonServer:
+def start_server(log_path: Path, extra_args: list[str] | None = None, model_repository: Path | None = None,
+                 env: dict[str, str] | None = None) -> TritonServer:
+    """Starts tritonserver on ``model_repository`` (default: the project's), with ``env`` added to the
+    environment; returns once it reports ready."""
     http, grpc, metrics = free_port(), free_port(), free_port()
-    repository = {} if model_repository is None else {"model_repository": model_repository}
-    command = build_command(http_port=http, grpc_port=grpc, metrics_port=metrics,
-                            extra_args=["--metrics-interval-ms=200", *(extra_args or [])], **repository)
+    command = build_command(**({"model_repository": model_repository} if model_repository else {}),
+                            http_port=http, grpc_port=grpc, metrics_port=metrics,
+                            extra_args=["--metrics-interval-ms=200", *(extra_args or [])])
     log = open(log_path, "wb")
-    process = subprocess.Popen(command.argv, env=command.env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command.argv, env={**command.env, **(env or {})}, stdout=log,
+                               stderr=subprocess.STDOUT)
     server = TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
                           process, log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

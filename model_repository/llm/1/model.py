@@ -8,7 +8,11 @@ Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tok
 ``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
 ``llm-sender`` (responses, metrics), ``llm-cancel`` (asks each sender ``is_cancelled()`` every
 ``CANCEL_SWEEP_S`` and aborts those requests in the engine, which drops a waiting one before it can be
-scheduled), ``llm-watchdog``. The engine loop never calls back into this module.
+scheduled), ``llm-watchdog``. The engine loop never calls back into this module. The sender thread also
+checks the engine's health when idle (``serve.health``: a dead engine unloads the model).
+
+A request the engine cannot take now (the waiting queue is full, or the engine is dead) gets UNAVAILABLE
+(HTTP 503 on the generate endpoints); bad input gets INVALID_ARG (HTTP 400).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend import EngineConfig, LLMEngine, RequestOutput
+from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput
 from backend.prompt_limits import check_prompt_bytes
+from serve.health import HealthMonitor
 from serve.logprobs import vllm_logprobs
 from serve.metrics import EngineMetrics
 from serve.request_parsing import check_request_id, parse_request
@@ -62,6 +67,7 @@ class TritonPythonModel:
             settings.update(json.loads(overrides.read_text()))
         self.engine = LLMEngine(EngineConfig.from_dict(settings))
         self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
+        self.health = HealthMonitor(self.engine, pb_utils, args["model_name"])
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
         self.inflight: dict[str, _InFlight] = {}
         # Held while asking a sender is_cancelled() and while sending a FINAL: Triton frees a response
@@ -91,7 +97,7 @@ class TritonPythonModel:
         try:
             client_id = check_request_id(request.request_id() or "req")
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"))
+            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout())
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
             state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None)
@@ -103,6 +109,9 @@ class TritonPythonModel:
                     return None
             self._add(parsed, request_id, state)
             return None
+        except EngineUnavailableError as exc:  # full or dead: UNAVAILABLE (HTTP 503), the client may retry
+            _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            return str(exc)
         except ValueError as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
             return str(exc)
@@ -115,7 +124,9 @@ class TritonPythonModel:
         """Tokenizes and queues one request in the engine. Raises what ``LLMEngine.add_request`` raises."""
         self.inflight[request_id] = state
         try:
-            self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs)
+            timeout = None if parsed.timeout_ms is None else parsed.timeout_ms / 1000
+            self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs,
+                                    priority=parsed.priority, timeout=timeout)
         except Exception:
             self.inflight.pop(request_id, None)
             raise
@@ -143,6 +154,8 @@ class TritonPythonModel:
                 if cancelled:  # gave up while waiting: never tokenized, never queued
                     raise ValueError("request cancelled before it was queued")
                 self._add(parsed, request_id, state)
+            except EngineUnavailableError as exc:
+                self._drop(request_id, state, str(exc), pb_utils.TritonError.UNAVAILABLE)
             except ValueError as exc:
                 self._drop(request_id, state, str(exc), pb_utils.TritonError.INVALID_ARG)
             except Exception as exc:
@@ -186,6 +199,7 @@ class TritonPythonModel:
                 out = self.outputs.get(timeout=METRICS_REFRESH_S)
             except queue.Empty:
                 self.metrics.update(self.engine.stats())
+                self.health.check()
                 continue
             if out is None:
                 return

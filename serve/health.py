@@ -1,0 +1,57 @@
+"""Model readiness that follows the engine's health, on tritonserver 2.51's Python backend.
+
+In this Triton (2.51, as bundled with nvidia-pytriton) a Python model cannot report itself not ready: the
+backend has no readiness hook (``is_model_ready`` in ``pb_utils`` asks about *another* model), and a dead or
+SIGKILLed stub leaves the model READY (requests then fail with ``Stub process ... is not healthy``). What
+does turn readiness false is unloading the model, which a model may ask for itself through
+``pb_utils.unload_model`` when the server runs with ``--model-control-mode=explicit``. So once the engine is
+dead (:meth:`backend.LLMEngine.check_health` raises), :class:`HealthMonitor` unloads the model: its
+readiness (``/v2/models/<name>/ready``) and the server's (``/v2/health/ready``) go false, and new requests
+are refused by Triton itself. In the default model-control mode that call is refused; the model then stays
+READY, and its requests are refused fast with UNAVAILABLE (``engine is dead``) by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from backend import EngineDeadError, LLMEngine
+
+log = logging.getLogger("llm")
+
+
+class HealthMonitor:
+    """Watches one engine; ``check`` is cheap (no I/O while healthy) and may be called from any thread."""
+
+    def __init__(self, engine: LLMEngine, pb_utils, model_name: str) -> None:
+        self.engine = engine
+        self.pb_utils = pb_utils
+        self.model_name = model_name
+        self.dead_reason: str | None = None
+        self._lock = threading.Lock()
+
+    def check(self) -> bool:
+        """True while the engine is healthy. The first time it is found dead, asks Triton to unload the model
+        (on a thread of its own: the unload waits for requests in flight, which may need the caller)."""
+        if self.dead_reason is not None:
+            return False
+        try:
+            self.engine.check_health()
+            return True
+        except EngineDeadError as exc:
+            with self._lock:
+                if self.dead_reason is not None:
+                    return False
+                self.dead_reason = str(exc)
+            log.error("%s: unloading model %r so that it reports not ready", exc, self.model_name)
+            threading.Thread(target=self._unload, name="llm-unload", daemon=True).start()
+            return False
+
+    def _unload(self) -> None:
+        try:
+            self.pb_utils.unload_model(self.model_name)
+        except Exception as exc:  # the default model-control mode refuses it
+            log.error("could not unload model %r (%s); it stays READY and refuses requests with UNAVAILABLE. "
+                      "Run tritonserver with --model-control-mode=explicit for readiness to follow health",
+                      self.model_name, exc)
