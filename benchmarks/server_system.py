@@ -10,8 +10,6 @@ its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 import tempfile
 import threading
@@ -21,7 +19,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.config import BenchConfig
-from serve.launch import DEFAULT_MODEL_REPOSITORY
 from benchmarks.records import RequestRecord, SystemRun
 from benchmarks.workload import BenchRequest, Workload, sleep_until
 
@@ -37,16 +34,13 @@ class ServerSystem:
         if config.model is not None:
             raise RuntimeError("the server serves the default model only (model_repository/llm); --model differs")
         sys.path.insert(0, str(TESTS_DIR))
-        from triton_server import start_server  # tests/triton_server.py: free ports, waits until ready
+        from triton_server import copy_repository, start_server  # tests/triton_server.py: ports, readiness
 
         from client import LLMClient
 
         workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
         self.log_path = workdir / "tritonserver.log"
-        repository = workdir / "model_repository"
-        shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        (repository / "llm" / MODEL_VERSION / "engine.json").write_text(json.dumps({"dtype": config.dtype}))
+        repository = copy_repository(workdir / "model_repository", {MODEL_VERSION: {"dtype": config.dtype}})
         try:
             self.server = start_server(self.log_path, model_repository=repository)
         except RuntimeError:  # start-up races with other servers on the machine happen: one more try

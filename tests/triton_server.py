@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import subprocess
 import time
@@ -11,7 +13,7 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.launch import build_command
+from serve.launch import DEFAULT_MODEL_REPOSITORY, build_command
 
 STARTUP_TIMEOUT_S = 300
 
@@ -53,6 +55,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def copy_repository(target: Path, version_settings: dict[str, dict]) -> Path:
+    """A copy of the project's model repository at ``target`` whose versions' ``engine.json`` are replaced by
+    ``version_settings`` (version -> settings), e.g. ``{"2": {"dtype": "float32"}}``; returns ``target``."""
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for version, settings in version_settings.items():
+        (target / "llm" / version / "engine.json").write_text(json.dumps(settings))
+    return target
 
 
 def start_server(log_path: Path, extra_args: list[str] | None = None, model_repository: Path | None = None,
