@@ -101,7 +101,7 @@ class ModelRunner:
                         + positions % self.block_size)
 
         if self.use_kernels:
-            meta = self._kernel_metadata(seq_lens, cu_seqlens, block_tables, slot_mapping)
+            meta = self._kernel_metadata(_num_decodes(counts), seq_lens, cu_seqlens, block_tables, slot_mapping)
         else:
             meta = self._torch_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
         sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
@@ -121,11 +121,9 @@ class ModelRunner:
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs)
 
-    def _kernel_metadata(self, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def _kernel_metadata(self, nd: int, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor,
+                         block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
         device, i32 = self.device, torch.int32
-        counts = cu_seqlens[1:] - cu_seqlens[:-1]
-        nd = int(torch.cumprod(counts == 1, 0).sum())  # leading requests with one query token: decodes
         return KernelAttentionMetadata(
             kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=nd,
             decode_seq_lens=seq_lens[:nd].to(device=device, dtype=i32),
@@ -138,9 +136,7 @@ class ModelRunner:
                         cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
                         slot_mapping: torch.Tensor) -> AttentionMetadata:
         device, bs = self.device, self.block_size
-        num_decodes = 0
-        while num_decodes < len(counts) and counts[num_decodes] == 1:
-            num_decodes += 1
+        num_decodes = _num_decodes(counts)
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = cdiv(int(decode_lens.max()), bs) if num_decodes else 0
         decode_tables = block_tables[:num_decodes, :decode_blocks]
@@ -161,3 +157,12 @@ class ModelRunner:
             decode_mask=None if decode_mask is None else decode_mask.to(device),
             decode_seq_lens=decode_lens.to(device),
             prefills=prefills, workspace=self.workspace, cpu_kernel=self.cpu_kernel)
+
+
+def _num_decodes(counts: list[int]) -> int:
+    """How many requests at the front of the batch have one query token (the decodes; the scheduler puts
+    running requests first)."""
+    n = 0
+    while n < len(counts) and counts[n] == 1:
+        n += 1
+    return n
