@@ -57,3 +57,19 @@ def test_binder_leaves_the_main_thread_unpinned():
     """Processes the main thread starts later (a test's tritonserver) would inherit its pinning."""
     ThreadBinder([ALLOWED[-1]]).ensure_bound()
     assert os.sched_getaffinity(0) == set(ALLOWED)
+
+
+@pytest.mark.skipif(kernels.cpu.load() is None, reason="no C++ compiler for kernels/cpu")
+def test_native_orphan_watchdog_ends_the_process_when_the_parent_is_not_the_one_given():
+    """The Triton stub's GIL-free watchdog: a process whose parent is not the given pid ends with status 1; one
+    whose parent is keeps running."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time, kernels.cpu; kernels.cpu.exit_when_orphaned(int(sys.argv[1]), 0.02); "
+            "time.sleep(3); print('alive')")
+    wrong = subprocess.run([sys.executable, "-c", code, "1"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 1 and "alive" not in wrong.stdout
+    right = subprocess.run([sys.executable, "-c", code, str(os.getpid())], capture_output=True, text=True,
+                           timeout=60)
+    assert right.returncode == 0 and "alive" in right.stdout

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+import kernels.cpu
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput
 from backend.prompt_limits import check_prompt_bytes
 from serve.health import HealthMonitor
@@ -82,6 +83,9 @@ class TritonPythonModel:
         threading.Thread(target=self._intake_loop, name="llm-intake", daemon=True).start()
         threading.Thread(target=self._cancel_loop, name="llm-cancel", daemon=True).start()
         threading.Thread(target=self._exit_when_orphaned, name="llm-watchdog", daemon=True).start()
+        # The same check from a native thread: the Python one cannot run while another thread holds the GIL
+        # blocked in a call to the dead server.
+        kernels.cpu.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
 
     def execute(self, requests: list) -> None:
         errors = [self._submit(request) for request in requests]
