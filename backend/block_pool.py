@@ -12,6 +12,12 @@ from collections.abc import Callable, Sequence
 
 BlockKey = tuple[bytes | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
+# KV cache events, recorded as plain tuples when enabled (``BlockPool.events``) and turned into vLLM's wire
+# format off the engine thread (backend/kv_events.py):
+BLOCK_STORED = 0  # (BLOCK_STORED, block hash, parent block hash or None, token ids): content became findable
+BLOCK_REMOVED = 1  # (BLOCK_REMOVED, block hash): content no longer findable (evicted or uncached)
+ALL_BLOCKS_CLEARED = 2  # (ALL_BLOCKS_CLEARED,): nothing findable any more
+
 
 def sha256_block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """A collision-resistant hash of a full block's content and, through ``parent``, of everything before it."""
@@ -28,6 +34,10 @@ class BlockPool:
     it stays findable by :meth:`lookup` after it is freed, until it is reused for something else (evicted).
     A lookup compares the stored tokens and parent hash too, so even a colliding hash never returns
     another prompt's K/V.
+
+    With ``events`` a list (:meth:`enable_events`), every change to the set of findable hashes is appended
+    to it as a tuple (``BLOCK_STORED``, ``BLOCK_REMOVED``; vLLM's KV cache events) for
+    :meth:`take_events`: an append per registered or evicted block, nothing more on the step's path.
     """
 
     def __init__(self, num_blocks: int, hash_fn: Callable[[bytes | None, Sequence[int]], bytes] = sha256_block_hash):
@@ -38,8 +48,23 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
-        self._keys: dict[int, tuple[bytes, BlockKey]] = {}  # block id -> (its hash, its key)
+        self._keys: dict[int, tuple[bytes, BlockKey]] = {}  # block id -> (its hash, its key), copies included
+        self._copies: dict[bytes, list[int]] = {}  # block hash -> other blocks holding that content
         self.num_evictions = 0
+        self.events: list[tuple] | None = None  # KV cache events since the last take_events(), when enabled
+
+    def enable_events(self) -> None:
+        """Starts recording KV cache events (see the class docstring)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[tuple]:
+        """The events recorded since the last call, oldest first (empty when recording is off)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,21 +120,49 @@ class BlockPool:
         return block_id
 
     def cache(self, block_id: int, block_hash: bytes, key: BlockKey) -> None:
-        """Registers a full block's content; a no-op when that content is already cached in another block."""
-        if block_hash not in self._cached and block_id not in self._keys:
-            self._cached[block_hash] = block_id
-            self._keys[block_id] = (block_hash, key)
+        """Registers a full block's content. When another block already holds that content, this one is
+        kept as a copy: lookups still return the first, and the content stays findable in the copy after
+        the first is evicted (two requests that generate the same tokens each fill a block of them)."""
+        if block_id in self._keys:
+            return
+        self._keys[block_id] = (block_hash, key)
+        if block_hash in self._cached:
+            self._copies.setdefault(block_hash, []).append(block_id)
+            return
+        self._cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.append((BLOCK_STORED, block_hash, key[0], key[1]))
 
     def uncache(self, block_ids: Sequence[int]) -> None:
         """Forgets the content of these blocks (their K/V cannot be trusted, e.g. a forward pass failed
         after they were registered); they stay allocated or free as they were."""
         for block_id in block_ids:
-            entry = self._keys.pop(block_id, None)
-            if entry is not None:
-                del self._cached[entry[0]]
+            self._forget(block_id)
 
     def _evict(self, block_id: int) -> None:
-        entry = self._keys.pop(block_id, None)
-        if entry is not None:
-            del self._cached[entry[0]]
+        if self._forget(block_id):
             self.num_evictions += 1
+
+    def _forget(self, block_id: int) -> bool:
+        """Drops a block's registered content; True when no other block holds it (it is no longer findable)."""
+        entry = self._keys.pop(block_id, None)
+        if entry is None:
+            return False
+        block_hash = entry[0]
+        copies = self._copies.get(block_hash)
+        if self._cached[block_hash] != block_id:  # a copy
+            copies.remove(block_id)
+        elif copies:  # the first goes, a copy takes its place
+            self._cached[block_hash] = copies.pop()
+        else:
+            del self._cached[block_hash]
+            if self.events is not None:
+                self.events.append((BLOCK_REMOVED, block_hash))
+            return True
+        if not copies:
+            del self._copies[block_hash]
+        return False
+
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes of every block whose content is findable now (for tests and tools)."""
+        return set(self._cached)

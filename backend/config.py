@@ -37,6 +37,13 @@ class EngineConfig:
         cpu_threads_bind: pin the torch threads to CPU cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``
             pins when the threads use every CPU the process may run on, ``off`` never, or a CPU list such as
             ``0-3`` (which also sets the thread count). See :mod:`backend.cpu_threads`.
+        kv_events_endpoint: publish KV cache events (vLLM's format, ``backend/kv_events.py``) on this ZeroMQ
+            PUB address: ``tcp://*:5557`` binds, ``tcp://host:5557`` connects; None (default): no events.
+            Needs ``enable_prefix_caching``.
+        kv_events_replay_endpoint: the ROUTER address that answers replay requests (``tcp://*:5558``); None:
+            no replay.
+        kv_events_topic: the topic frame of each message; ``$VAR`` / ``${VAR}`` are read from the
+            environment (llm-d expects ``kv@<pod>@<model>``).
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
@@ -58,6 +65,9 @@ class EngineConfig:
     max_num_waiting_tokens: int = 1 << 20
     model_impl: str = "auto"
     cpu_threads_bind: str = "auto"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
@@ -68,6 +78,14 @@ class EngineConfig:
             parse_cpu_list(self.cpu_threads_bind)
         if self.model_impl not in ("auto", "transformers"):
             raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a ZeroMQ address (tcp://, ipc:// or inproc://), got {endpoint!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ValueError("KV cache events need enable_prefix_caching (without it no block is ever shared)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
                      "max_num_waiting_tokens"):
             _require_positive_int(name, getattr(self, name))

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from backend.bad_words import bad_words_token_ids
+from backend.block_pool import ALL_BLOCKS_CLEARED
 from backend.config import EngineConfig, resolve_dtype
 from backend.engine_core import EngineCore
 from backend.errors import EngineDeadError
@@ -88,6 +89,13 @@ class LLMEngine:
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         self.scheduler = self.engine_core.scheduler
         self.model_runner = self.engine_core.model_runner
+        self.kv_events = None  # the KV cache events publisher, when configured
+        if config.kv_events_endpoint is not None:
+            from backend.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                              config.kv_events_topic, config.block_size)
+            self.kv_cache_manager.pool.enable_events()
 
         self.step_log: list[EngineStats] | None = None
         self._thread: threading.Thread | None = None
@@ -209,6 +217,10 @@ class LLMEngine:
         for request_id in self.output_processor.parent_ids():
             self.abort(request_id)
         self._deliver(self.output_processor.make_outputs([], self.engine_core.take_inbox(), {}))
+        kv_events, self.kv_events = self.kv_events, None
+        if kv_events is not None:  # the cache goes away with the engine
+            kv_events.publish([*self.kv_cache_manager.pool.take_events(), (ALL_BLOCKS_CLEARED,)])
+            kv_events.shutdown()
 
     def _run_loop(self) -> None:
         while True:
@@ -244,6 +256,9 @@ class LLMEngine:
             The deltas produced (also put on each request's sink).
         """
         core_out = self.engine_core.step()
+        kv_events = self.kv_events
+        if kv_events is not None:
+            kv_events.publish(self.kv_cache_manager.pool.take_events())
         if core_out.sched is not None:
             sched = core_out.sched
             self._num_steps += 1

@@ -2,7 +2,11 @@
 
 The ``llm_*`` families follow vLLM's meanings. ``nv_trt_llm_kv_cache_block_metrics`` and
 ``nv_trt_llm_request_metrics`` repeat the same facts under the names and labels of Triton's TensorRT-LLM
-backend, which Triton's ORCA load report and the Kubernetes Gateway API Inference Extension read.
+backend, which Triton's ORCA load report and the Kubernetes Gateway API Inference Extension's endpoint picker
+read (engine type ``triton-tensorrt-llm``: the model-server protocol, gateway-api-inference-extension
+``docs/proposals/003-model-server-protocol``). With the model setting ``vllm_metrics`` true, the protocol's
+vLLM names are published too (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well.
 """
 
 from __future__ import annotations
@@ -11,12 +15,39 @@ from backend import EngineStats, RequestMetrics
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
+METRIC_SETTINGS = ("vllm_metrics",)  # model settings (config.pbtxt parameters) read here, not by the engine
+
+
+def pop_metric_settings(settings: dict) -> dict:
+    """Removes this module's settings from a model's settings and returns them as ``EngineMetrics`` keyword
+    arguments: ``vllm_metrics`` (``true``/``false``, default false).
+
+    Raises:
+        ValueError: a value that is not a boolean.
+    """
+    options = {}
+    for key in METRIC_SETTINGS:
+        if key in settings:
+            raw = settings.pop(key)
+            text = str(raw).strip().lower()
+            if isinstance(raw, bool):
+                options[key] = raw
+            elif text in ("true", "1", "false", "0", ""):
+                options[key] = text in ("true", "1")
+            else:
+                raise ValueError(f"setting {key} must be true or false, got {raw!r}")
+    return options
 
 
 class EngineMetrics:
-    """Publishes an engine's stats; ``update`` is cheap enough to call after every batch of outputs."""
+    """Publishes an engine's stats; ``update`` is cheap enough to call after every batch of outputs.
 
-    def __init__(self, pb_utils, model: str, version: str) -> None:
+    Args:
+        vllm_metrics: also publish the model-server protocol's vLLM-named gauges, labelled ``model_name``
+            (vLLM's label) and ``version``.
+    """
+
+    def __init__(self, pb_utils, model: str, version: str, vllm_metrics: bool = False) -> None:
         labels = {"model": model, "version": version}
         self._families = []  # a Metric is only valid while its MetricFamily object lives
 
@@ -64,6 +95,18 @@ class EngineMetrics:
         request_family = family("nv_trt_llm_request_metrics", "Request metrics (TensorRT-LLM names)", family.GAUGE)
         self.trt_requests = {t: request_family.Metric(labels={**labels, "request_type": t})
                              for t in ("active", "max", "scheduled", "context", "waiting")}
+        self.vllm = None
+        if vllm_metrics:
+            vllm_labels = {"model_name": model, "version": version}
+            self.vllm = {name: family(name, description, family.GAUGE).Metric(labels=vllm_labels)
+                         for name, description in (
+                             ("vllm:num_requests_waiting", "Requests waiting to be scheduled (vLLM name)"),
+                             ("vllm:num_requests_running", "Requests in the running batch (vLLM name)"),
+                             ("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (1 = 100%; vLLM name)"))}
+            self._cache_config_family = family("vllm:cache_config_info", "KV cache configuration (vLLM name)",
+                                               family.GAUGE)
+            self._cache_config = None  # set once the pool's size is known (the first update)
+            self._vllm_labels = vllm_labels
         self._last: EngineStats | None = None
 
     def update(self, stats: EngineStats) -> None:
@@ -92,12 +135,21 @@ class EngineMetrics:
         for key, value in (("max", kv.num_blocks), ("free", kv.free_blocks), ("used", kv.used_blocks),
                            ("tokens_per", kv.tokens_per_block), ("fraction", kv.usage)):
             self.trt_kv[key].set(value)
+        # The picker reads "scheduled" as the requests being served: those of the last step still running.
         active = stats.num_running
         for key, value in (("active", active), ("max", stats.max_num_seqs),
-                           ("scheduled", stats.last_step_num_scheduled if active else 0),
-                           ("context", stats.last_step_num_prefills if active else 0),
+                           ("scheduled", min(stats.last_step_num_scheduled, active)),
+                           ("context", min(stats.last_step_num_prefills, active)),
                            ("waiting", stats.num_waiting)):
             self.trt_requests[key].set(value)
+        if self.vllm is not None:
+            self.vllm["vllm:num_requests_waiting"].set(stats.num_waiting)
+            self.vllm["vllm:num_requests_running"].set(stats.num_running)
+            self.vllm["vllm:kv_cache_usage_perc"].set(kv.usage)
+            if self._cache_config is None:  # vLLM's info gauge: the configuration in labels, value 1
+                self._cache_config = self._cache_config_family.Metric(labels={
+                    **self._vllm_labels, "block_size": str(kv.tokens_per_block), "num_gpu_blocks": str(kv.num_blocks)})
+                self._cache_config.set(1)
 
     def observe_finished(self, metrics: RequestMetrics) -> None:
         if metrics.time_to_first_token is not None:

@@ -35,7 +35,7 @@ from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutp
 from backend.prompt_limits import check_prompt_bytes
 from serve.health import HealthMonitor
 from serve.logprobs import vllm_logprobs
-from serve.metrics import EngineMetrics
+from serve.metrics import EngineMetrics, pop_metric_settings
 from serve.request_parsing import check_request_id, parse_request
 
 log = logging.getLogger("llm")
@@ -66,8 +66,9 @@ class TritonPythonModel:
         overrides = Path(args["model_repository"]) / args["model_version"] / "engine.json"
         if overrides.exists():
             settings.update(json.loads(overrides.read_text()))
+        metric_options = pop_metric_settings(settings)
         self.engine = LLMEngine(EngineConfig.from_dict(settings))
-        self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"])
+        self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], **metric_options)
         self.health = HealthMonitor(self.engine, pb_utils, args["model_name"])
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
         self.inflight: dict[str, _InFlight] = {}

@@ -1,0 +1,226 @@
+"""KV cache events in vLLM's wire format, published over ZeroMQ for KV-cache-aware routers.
+
+A router that knows which blocks each replica holds can send a request where its prompt's prefix is
+cached: llm-d's precise prefix-cache scorer (the Gateway API Inference Extension's endpoint picker) and
+NVIDIA Dynamo's KV router subscribe to vLLM's events for that. This module speaks that protocol
+(vLLM ``vllm/distributed/kv_events.py`` and ``docs/features/kv_events.md``, as of vLLM 0.11):
+
+- **Live stream** (PUB): one multipart message per engine step that changed the cache:
+  ``[topic, sequence (8-byte big-endian, from 0), payload]``.
+- **Payload**: a msgpack ``KVEventBatch`` encoded as msgspec ``array_like`` structs:
+  ``[timestamp (float seconds since the epoch), [event, ...], data_parallel_rank (0)]``, each event a tagged
+  array: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+  ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``.
+- **Block hashes** are unsigned 64-bit integers: the last 8 bytes (big-endian) of this engine's SHA-256
+  block hash, as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). ``parent_block_hash`` is
+  the hash of the block before the first one stored (None at the start of a prompt); ``token_ids`` holds
+  ``block_size`` tokens per stored block; ``medium`` is ``"GPU"`` (vLLM's name for the engine's own pool,
+  on a CPU too); ``lora_id`` is None.
+- **Replay** (ROUTER, optional): a DEALER or REQ client sends ``[b"", start sequence (8 bytes)]`` and gets
+  every buffered batch from that sequence on, each as ``[b"", topic, sequence, payload]``, then the end
+  marker ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM's current replay reply, which carries the topic;
+  llm-d's subscriber reads exactly this).
+
+Recording costs the engine step one tuple append per registered or evicted block (``BlockPool.events``)
+and one queue put per step (:meth:`KVEventPublisher.publish`); converting, encoding and sending happen on
+the publisher's own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from itertools import count
+from typing import Any
+
+import msgspec
+import zmq
+
+from backend.block_pool import ALL_BLOCKS_CLEARED, BLOCK_REMOVED, BLOCK_STORED
+
+log = logging.getLogger(__name__)
+
+MEDIUM = "GPU"  # vLLM's medium for the engine's primary KV pool
+REPLAY_BUFFER_BATCHES = 10_000  # vLLM's buffer_steps default
+SEND_HWM = 100_000  # vLLM's hwm default
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's events. ``ts``: seconds since the epoch; ``data_parallel_rank``: always 0 here."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """A tagged event: encoded as ``[tag, fields...]``."""
+
+
+class BlockStored(KVCacheEvent):
+    """Consecutive blocks of one token sequence became findable; ``token_ids`` covers all of them."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+def external_block_hash(block_hash: bytes) -> int:
+    """The wire form of a block hash: its last 8 bytes as an unsigned big-endian integer (vLLM's
+    ``maybe_convert_block_hash``); 0..2**64-1."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def to_vllm_events(raw: list[tuple], block_size: int) -> list[KVCacheEvent]:
+    """Turns ``BlockPool`` event tuples into vLLM events, in order. A stored block whose parent is the
+    previous stored block extends that event (as vLLM emits one event per run of blocks); consecutive
+    removals share one event."""
+    events: list[KVCacheEvent] = []
+    last_stored: bytes | None = None  # hash of the last block of events[-1] when it is a BlockStored
+    for entry in raw:
+        kind = entry[0]
+        if kind == BLOCK_STORED:
+            _, block_hash, parent, tokens = entry
+            if last_stored is not None and parent == last_stored:
+                events[-1].block_hashes.append(external_block_hash(block_hash))
+                events[-1].token_ids.extend(tokens)
+            else:
+                events.append(BlockStored([external_block_hash(block_hash)],
+                                          None if parent is None else external_block_hash(parent),
+                                          list(tokens), block_size, None, MEDIUM))
+            last_stored = block_hash
+            continue
+        last_stored = None
+        if kind == BLOCK_REMOVED:
+            if events and isinstance(events[-1], BlockRemoved):
+                events[-1].block_hashes.append(external_block_hash(entry[1]))
+            else:
+                events.append(BlockRemoved([external_block_hash(entry[1])], MEDIUM))
+        elif kind == ALL_BLOCKS_CLEARED:
+            events.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV cache event {entry!r}")
+    return events
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: bind an address with a wildcard (``*``, ``::``) or an ipc/inproc one, connect otherwise."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class KVEventPublisher:
+    """Publishes batches of KV cache events on a ZeroMQ PUB socket from a thread of its own, keeps the last
+    ``REPLAY_BUFFER_BATCHES`` encoded batches, and answers replay requests on a ROUTER socket.
+
+    Args:
+        endpoint: the PUB address: ``tcp://*:5557`` binds, ``tcp://host:5557`` connects (to a subscriber
+            that binds).
+        replay_endpoint: the ROUTER address (always bound), or None for no replay.
+        topic: the first frame of every message; ``$VAR`` / ``${VAR}`` are taken from the environment
+            (llm-d expects ``kv@<pod>@<model>``).
+        block_size: tokens per block, reported in every ``BlockStored``.
+
+    Raises:
+        zmq.ZMQError: an address that cannot be bound or parsed.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, block_size: int) -> None:
+        self.block_size = block_size
+        self.topic = os.path.expandvars(topic).encode("utf-8")
+        self._queue: queue.SimpleQueue[tuple[float, list[tuple]] | None] = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER_BATCHES)
+        self._sequence = count()
+        self._context = zmq.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(SEND_HWM)
+        self._replay = None
+        try:
+            (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+            if replay_endpoint:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets(linger_ms=0)
+            raise
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT) or replay_endpoint
+                                if self._replay is not None else None)
+        self.num_batches = 0  # published so far
+        self.encode_seconds = 0.0  # spent converting, encoding and sending on the publisher thread
+        self._thread = threading.Thread(target=self._run, name="llm-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[tuple]) -> None:
+        """Queues one step's ``BlockPool`` events (nothing when empty); cheap, callable from the engine loop."""
+        if events:
+            self._queue.put((time.time(), events))
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Sends what is queued (for up to ``timeout`` seconds), then closes the sockets (messages not yet
+        delivered get up to ``timeout`` more)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():  # a socket is never used by two threads
+            self._close_sockets(linger_ms=int(timeout * 1000))
+
+    # -- the publisher thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._answer_replay()
+                except Exception:
+                    log.exception("KV events replay request failed")
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            started = time.perf_counter()
+            try:
+                ts, raw = item
+                batch = EventBatch(ts, to_vllm_events(raw, self.block_size), 0)
+                payload = encoder.encode(batch)
+                sequence = next(self._sequence)
+                self._pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))
+                self._buffer.append((sequence, payload))
+                self.num_batches += 1
+            except Exception:
+                log.exception("publishing KV cache events failed")
+            self.encode_seconds += time.perf_counter() - started
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("ignored a malformed KV events replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for sequence, payload in list(self._buffer):
+            if sequence >= first:
+                self._replay.send_multipart((client, b"", self.topic, sequence.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        self._pub.close(linger=linger_ms)
+        if self._replay is not None:
+            self._replay.close(linger=0)
