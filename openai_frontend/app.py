@@ -105,6 +105,25 @@ def create_app(config: FrontendConfig) -> FastAPI:
         events = _merged(triton, name, version, [prompt], sampling)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
+    # vLLM's render endpoints: the token ids the engine will compute for a request, without running it. The
+    # Gateway API Inference Extension's endpoint picker (llm-d token-producer) tokenizes prompts through them
+    # for its precise prefix-cache scorer, so its block keys match the engine's KV events.
+    @app.post("/v1/completions/render")
+    async def completions_render(body: CompletionRequest):
+        body.check()
+        name, version = await _resolve(triton, body.model)
+        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        return [{"token_ids": tokenizer.encode(prompt)} for prompt in prompts]
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(body: ChatCompletionRequest):
+        body.check()
+        name, version = await _resolve(triton, body.model)
+        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
+        prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template)
+        return {"token_ids": tokenizer.encode(prompt)}
+
     return app
 
 

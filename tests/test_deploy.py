@@ -1,0 +1,375 @@
+"""deploy/: the Kustomize manifests render and validate, and what they point at exists on real servers.
+
+Two replicas run locally (no Kubernetes) exactly as a pod lays them out: the init container's model repository
+(config.pbtxt, version 1, the CPU overlay's engine settings as its engine.json), tritonserver and the OpenAI
+frontend. Their probes, the endpoint picker's metric specs, the prometheus-adapter rules and the KV events
+ports of the manifests are checked against them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import requests
+import yaml
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+from triton_server import free_port, start_server, stop_server
+from vllm_kv_schema import DECODER, BlockStored, apply, local, receive_all, replay
+
+from serve.launch import DEFAULT_MODEL_REPOSITORY
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+OVERLAYS = ["base", "overlays/cpu", "overlays/gateway"]
+K8S_VERSION = "1.32.0"
+CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "PodMonitor"}
+# The endpoint picker's built-in metric specs per engine type (llm-d router,
+# pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go), which the model-server protocol names
+# (gateway-api-inference-extension docs/proposals/003-model-server-protocol).
+PICKER_SPECS = {
+    "triton-tensorrt-llm": {
+        "queue": ("nv_trt_llm_request_metrics", {"request_type": "waiting"}),
+        "running": ("nv_trt_llm_request_metrics", {"request_type": "scheduled"}),
+        "kv_usage": ("nv_trt_llm_kv_cache_block_metrics", {"kv_cache_block_type": "fraction"}),
+        "block_size": ("nv_trt_llm_kv_cache_block_metrics", {"kv_cache_block_type": "tokens_per"}),
+        "num_blocks": ("nv_trt_llm_kv_cache_block_metrics", {"kv_cache_block_type": "max"}),
+    },
+    "vllm": {
+        "queue": ("vllm:num_requests_waiting", {}),
+        "running": ("vllm:num_requests_running", {}),
+        "kv_usage": ("vllm:kv_cache_usage_perc", {}),
+        "cache_info": ("vllm:cache_config_info", {}),
+    },
+}
+
+
+def render(overlay: str) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / overlay)], check=True, capture_output=True,
+                         text=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
+    return found[0]
+
+
+def container(deployment: dict, name: str) -> dict:
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def port(c: dict, name: str) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+def engine_settings(docs: list[dict]) -> dict:
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("triton-llm-engine"))
+    return json.loads(config_map["data"]["engine.json"])
+
+
+def picker_config(docs: list[dict]) -> dict:
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("triton-llm-epp"))
+    return yaml.safe_load(config_map["data"]["epp-config.yaml"])
+
+
+def adapter_rules() -> list[dict]:
+    return yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())["rules"]["custom"]
+
+
+def parse_selector(query: str) -> tuple[str, dict[str, str]]:
+    """``name{a="x",b!=""}`` -> (name, the equality matchers)."""
+    name, _, rest = query.partition("{")
+    return name, dict(re.findall(r'(\w+)="([^"]*)"', rest))
+
+
+# -- rendering and static checks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_and_its_built_in_kinds_validate(overlay):
+    docs = render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler", "PodMonitor"} <= kinds
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any schema error
+    gpu = container(one(docs, "Deployment", "triton-llm"), "triton")["resources"]["limits"].get("nvidia.com/gpu")
+    settings = engine_settings(docs)
+    if overlay == "overlays/cpu":
+        assert gpu is None and settings["device"] == "cpu"
+    else:
+        assert gpu == 1 and settings["device"] == "cuda"
+
+
+def test_drain_grace_period_covers_prestop_and_triton_exit_timeout():
+    deployment = one(render("base"), "Deployment", "triton-llm")
+    triton = container(deployment, "triton")
+    drain = int(next(e["value"] for e in triton["env"] if e["name"] == "DRAIN_GRACE_PERIOD_S"))
+    assert "--exit-timeout-secs=$(DRAIN_GRACE_PERIOD_S)" in triton["args"]
+    prestop = {int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+               for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == max(prestop) + drain + 5
+
+
+def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
+    docs = render("overlays/gateway")
+    deployment = one(docs, "Deployment", "triton-llm")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels["llm-d.ai/engine-type"] in PICKER_SPECS
+    openai, triton = container(deployment, "openai"), container(deployment, "triton")
+    # InferencePool v1: spec.selector.matchLabels and spec.targetPorts (1-8, each a number) are required;
+    # endpointPickerRef needs a name (and a port when its kind is Service).
+    pool = one(docs, "InferencePool")["spec"]
+    assert pool["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert 1 <= len(pool["targetPorts"]) <= 8 and [p["number"] for p in pool["targetPorts"]] == [port(openai, "openai")]
+    epp_service = one(docs, "Service", pool["endpointPickerRef"]["name"])
+    assert pool["endpointPickerRef"].get("kind", "Service") == "Service"
+    assert pool["endpointPickerRef"]["port"]["number"] in [p["port"] for p in epp_service["spec"]["ports"]]
+    assert pool["endpointPickerRef"]["failureMode"] in ("FailOpen", "FailClose")
+    epp = one(docs, "Deployment", "triton-llm-epp")
+    assert epp_service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    assert f"--pool-name={one(docs, 'InferencePool')['metadata']['name']}" in container(epp, "epp")["args"]
+    # HTTPRoute: parentRefs and a backendRef to the pool.
+    route = one(docs, "HTTPRoute")["spec"]
+    assert route["parentRefs"] and route["parentRefs"][0]["name"]
+    backends = [b for rule in route["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "triton-llm"}]
+    # PodMonitor: selects the pods, scrapes a named container port.
+    monitor = one(docs, "PodMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"] and port(triton, "metrics")
+    # The picker's configuration: every reference resolves, and its ports and block size are the server's.
+    config = picker_config(docs)
+    assert config["apiVersion"] == "llm-d.ai/v1alpha1" and config["kind"] == "EndpointPickerConfig"
+    plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+    refs = [p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]]
+    refs += [s["pluginRef"] for s in config["dataLayer"]["sources"]]
+    refs += [e["pluginRef"] for s in config["dataLayer"]["sources"] for e in s["extractors"]]
+    assert set(refs) <= set(plugins)
+    assert {"prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer"} <= set(refs)
+    assert plugins["metrics-data-source"]["parameters"]["port"] == port(triton, "metrics")
+    assert plugins["core-metrics-extractor"]["parameters"]["defaultEngine"] == pod_labels["llm-d.ai/engine-type"]
+    kv = plugins["precise-prefix-cache-producer"]["parameters"]
+    discovery = kv["kvEventsConfig"]["podDiscoveryConfig"]
+    assert (discovery["socketPort"], discovery["replaySocketPort"]) == (port(triton, "kv-events"), port(triton, "kv-replay"))
+    settings = engine_settings(docs)
+    assert settings["kv_events_endpoint"] == f"tcp://*:{discovery['socketPort']}"
+    assert settings["kv_events_replay_endpoint"] == f"tcp://*:{discovery['replaySocketPort']}"
+    assert settings["kv_events_topic"].startswith(kv["kvEventsConfig"]["topicFilter"])
+    config_pbtxt = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    block_size = int(re.search(r'key: "block_size" value: \{ string_value: "(\d+)"', config_pbtxt).group(1))
+    assert kv["tokenProcessorConfig"]["blockSize"] == settings.get("block_size", block_size)
+    service = one(docs, "Service", "triton-llm")
+    assert plugins["token-producer"]["parameters"]["vllm"]["url"] == f"http://triton-llm:{port(openai, 'openai')}"
+    assert port(openai, "openai") in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_autoscaler_reads_the_metrics_the_adapter_rules_publish():
+    hpa = one(render("base"), "HorizontalPodAutoscaler")["spec"]
+    names = {m["pods"]["metric"]["name"] for m in hpa["metrics"]}
+    assert names == {rule["name"]["as"] for rule in adapter_rules()}
+    assert hpa["scaleTargetRef"]["name"] == "triton-llm"
+
+
+# -- two replicas, as the pods run them -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two replicas on the CPU overlay's engine settings (their KV events ports moved to free ones; the second
+    with max_num_seqs 2 so that requests wait), each with the OpenAI frontend."""
+    docs = render("overlays/cpu")
+    deployment = one(docs, "Deployment", "triton-llm")
+    started = []
+    for index in range(2):
+        root = tmp_path_factory.mktemp(f"replica{index}")
+        repository = root / "models"
+        (repository / "llm" / "1").mkdir(parents=True)  # what the init container does
+        shutil.copy(DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt", repository / "llm" / "config.pbtxt")
+        shutil.copy(DEFAULT_MODEL_REPOSITORY / "llm" / "1" / "model.py", repository / "llm" / "1" / "model.py")
+        settings = engine_settings(docs)
+        events, replay_port = free_port(), free_port()
+        settings["kv_events_endpoint"] = settings["kv_events_endpoint"].replace(":5557", f":{events}")
+        settings["kv_events_replay_endpoint"] = settings["kv_events_replay_endpoint"].replace(":5558", f":{replay_port}")
+        if index == 1:
+            settings["max_num_seqs"] = 2
+        (repository / "llm" / "1" / "engine.json").write_text(json.dumps(settings))
+        started.append({"root": root, "repository": repository, "settings": settings,
+                        "events": f"tcp://127.0.0.1:{events}", "replay": f"tcp://127.0.0.1:{replay_port}"})
+    threads = [threading.Thread(target=lambda r=r: r.update(server=_start(r))) for r in started]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        for replica in started:
+            if "server" not in replica:
+                raise RuntimeError("a replica did not start")
+            openai_port = free_port()
+            replica["openai"] = subprocess.Popen(
+                [sys.executable, "-m", "openai_frontend", "--port", str(openai_port), "--host", "127.0.0.1",
+                 "--triton-url", replica["server"].grpc_url, "--model-repository", str(replica["repository"])],
+                stdout=open(replica["root"] / "openai.log", "wb"), stderr=subprocess.STDOUT)
+            replica["openai_url"] = f"http://127.0.0.1:{openai_port}"
+        for replica in started:
+            deadline = time.monotonic() + 120
+            while not _ok(f"{replica['openai_url']}/health"):
+                assert time.monotonic() < deadline and replica["openai"].poll() is None, \
+                    (replica["root"] / "openai.log").read_text()[-3000:]
+                time.sleep(0.5)
+        yield deployment, started
+    finally:
+        for replica in started:
+            if "openai" in replica:
+                replica["openai"].terminate()
+                replica["openai"].wait(30)
+            if "server" in replica:
+                stop_server(replica["server"])
+
+
+def _start(replica: dict):
+    return start_server(replica["root"] / "tritonserver.log", model_repository=replica["repository"],
+                        env={"POD_IP": "127.0.0.1"})
+
+
+def _ok(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def scrape(replica: dict) -> list:
+    text = requests.get(replica["server"].metrics_url, timeout=5).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def matching(samples: list, name: str, labels: dict[str, str]) -> list:
+    return [s for s in samples if s.name == name and labels.items() <= s.labels.items()]
+
+
+def picker_values(replica: dict, engine: str) -> dict[str, float]:
+    """What the picker reads for ``engine``: each spec must match exactly one series (else it would pick one)."""
+    samples = scrape(replica)
+    values = {}
+    for key, (name, labels) in PICKER_SPECS[engine].items():
+        found = matching(samples, name, labels)
+        assert len(found) == 1, f"{name}{labels}: {len(found)} series"
+        values[key] = found[0].value if key != "cache_info" else found[0].labels
+    return values
+
+
+def test_two_replicas_both_answer_through_the_openai_frontend(replicas):
+    from openai import OpenAI
+
+    _, started = replicas
+    for replica in started:
+        client = OpenAI(base_url=f"{replica['openai_url']}/v1", api_key="unused")
+        text = client.completions.create(model="llm", prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert text.choices[0].text and text.usage.completion_tokens == 4
+        chat = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "Hi!"}],
+                                              max_completion_tokens=4, temperature=0)
+        assert chat.choices[0].message.content and chat.usage.completion_tokens == 4
+        # The render endpoints the picker's token producer calls give the engine's own prompt token count.
+        body = {"model": "llm", "prompt": "The capital of France is"}
+        rendered = requests.post(f"{replica['openai_url']}/v1/completions/render", json=body).json()
+        assert len(rendered) == 1 and len(rendered[0]["token_ids"]) == text.usage.prompt_tokens
+        body = {"model": "llm", "messages": [{"role": "user", "content": "Hi!"}]}
+        rendered = requests.post(f"{replica['openai_url']}/v1/chat/completions/render", json=body).json()
+        assert len(rendered["token_ids"]) == chat.usage.prompt_tokens
+
+
+def test_probe_paths_answer_on_the_ports_they_name(replicas):
+    deployment, started = replicas
+    local_ports = {"http": lambda r: r["server"].http_url, "openai": lambda r: r["openai_url"]}
+    probes = [(c["name"], kind, c[kind]) for c in deployment["spec"]["template"]["spec"]["containers"]
+              for kind in ("startupProbe", "livenessProbe", "readinessProbe") if kind in c]
+    assert {(name, kind) for name, kind, _ in probes} >= {("triton", "readinessProbe"), ("triton", "livenessProbe")}
+    readiness = next(p for name, kind, p in probes if (name, kind) == ("triton", "readinessProbe"))
+    assert readiness["httpGet"]["path"] == "/v2/models/llm/ready"  # the model's readiness, not the server's
+    for replica in started:
+        for name, kind, probe in probes:
+            if "httpGet" in probe:
+                url = local_ports[probe["httpGet"]["port"]](replica) + probe["httpGet"]["path"]
+                assert requests.get(url, timeout=5).status_code == 200, (name, kind, url)
+
+
+def test_picker_and_adapter_metrics_exist_once_per_pod_and_follow_the_load(replicas):
+    _, started = replicas
+    busy = started[1]  # max_num_seqs 2: six requests make four wait
+    idle = picker_values(busy, "triton-tensorrt-llm")
+    settings_block = json.loads((busy["repository"] / "llm" / "1" / "engine.json").read_text()).get("block_size", 16)
+    assert idle["queue"] == idle["running"] == idle["kv_usage"] == 0
+    assert idle["block_size"] == settings_block and idle["num_blocks"] > 0
+    vllm = picker_values(busy, "vllm")
+    assert vllm["queue"] == vllm["running"] == vllm["kv_usage"] == 0
+    assert vllm["cache_info"]["block_size"] == str(settings_block)
+    assert vllm["cache_info"]["num_gpu_blocks"] == str(int(idle["num_blocks"]))
+    for rule in adapter_rules():
+        name, labels = parse_selector(rule["seriesQuery"])
+        assert len(matching(scrape(busy), name, labels)) == 1, rule["seriesQuery"]
+
+    def generate(i: int) -> None:
+        requests.post(f"{busy['openai_url']}/v1/completions", timeout=300,
+                      json={"model": "llm", "prompt": f"Write a long story number {i}.", "max_tokens": 48,
+                            "temperature": 0, "ignore_eos": True})
+
+    workers = [threading.Thread(target=generate, args=(i,)) for i in range(6)]
+    for worker in workers:
+        worker.start()
+    peak = {"queue": 0.0, "running": 0.0, "kv_usage": 0.0}
+    peak_vllm = dict(peak)
+    while any(w.is_alive() for w in workers):
+        for key, value in picker_values(busy, "triton-tensorrt-llm").items():
+            if key in peak:
+                peak[key] = max(peak[key], value)
+        for key, value in picker_values(busy, "vllm").items():
+            if key in peak_vllm:
+                peak_vllm[key] = max(peak_vllm[key], value)
+        time.sleep(0.1)
+    for worker in workers:
+        worker.join()
+    assert peak["queue"] >= 1 and peak["running"] == 2 and 0 < peak["kv_usage"] <= 1, peak
+    assert peak_vllm["queue"] >= 1 and peak_vllm["running"] == 2 and 0 < peak_vllm["kv_usage"] <= 1, peak_vllm
+    deadline = time.monotonic() + 10
+    while True:  # back to idle once the model has published its last stats
+        now = picker_values(busy, "triton-tensorrt-llm")
+        if now["queue"] == now["running"] == now["kv_usage"] == 0:
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+
+
+def test_a_replica_publishes_kv_events_a_router_can_decode(replicas):
+    _, started = replicas
+    replica = started[0]
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    subscriber.connect(replica["events"])
+    time.sleep(0.5)
+    try:
+        prompt = "A shared system prompt about the rivers of Europe and their deltas. " * 3
+        for question in ("Which is longest?", "Which is widest?"):
+            requests.post(f"{replica['openai_url']}/v1/completions", timeout=120,
+                          json={"model": "llm", "prompt": prompt + question, "max_tokens": 2, "temperature": 0})
+        messages = receive_all(subscriber, idle_s=1.0)
+    finally:
+        subscriber.close(linger=0)
+    assert messages and {m[0] for m in messages} == {b"kv@127.0.0.1:9000@llm"}  # ${POD_IP} expanded
+    state: set[int] = set()
+    stored = []
+    for _, _, payload in messages:
+        batch = DECODER.decode(payload)
+        stored += [e for e in batch.events if isinstance(e, BlockStored)]
+        apply(state, batch, 16)
+    assert len(stored) >= 2 and stored[0].parent_block_hash is None  # the first prompt's blocks, then the second's
+    first_sequence = int.from_bytes(messages[0][1], "big")
+    assert [m[1:] for m in replay(local(replica["replay"]), first_sequence)] == [m[1:] for m in messages]
