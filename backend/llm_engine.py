@@ -28,6 +28,7 @@ import torch
 
 from backend.bad_words import bad_words_token_ids
 from backend.config import EngineConfig, resolve_dtype
+from backend.cpu_threads import run_on_fresh_thread
 from backend.engine_core import EngineCore
 from backend.errors import EngineDeadError
 from backend.model_loader import load_model
@@ -69,6 +70,21 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
+        # Loading runs torch operations; on a thread of its own, so the thread that steps owns the process's
+        # only OpenMP pool (backend.cpu_threads: two pools make every barrier sleep).
+        run_on_fresh_thread(lambda: self._build(config))
+        self.step_log: list[EngineStats] | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._stopping = False
+        self._dead: str | None = None  # why the engine is dead, once it is
+        self._num_steps = 0
+        self._last_step = (0, 0, 0)
+        self._stats_lock = threading.Lock()
+        self._stats = self._make_stats()
+
+    def _build(self, config: EngineConfig) -> None:
+        """Loads the model and tokenizer and builds the engine core (on the loading thread)."""
         model, self.tokenizer = load_model(config.model, self.dtype, config.device)
         self.model_config = model.config
         self.model_attention = inspect_attention(model)  # refuses what the engine cannot run exactly
@@ -88,16 +104,6 @@ class LLMEngine:
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         self.scheduler = self.engine_core.scheduler
         self.model_runner = self.engine_core.model_runner
-
-        self.step_log: list[EngineStats] | None = None
-        self._thread: threading.Thread | None = None
-        self._thread_lock = threading.Lock()
-        self._stopping = False
-        self._dead: str | None = None  # why the engine is dead, once it is
-        self._num_steps = 0
-        self._last_step = (0, 0, 0)
-        self._stats_lock = threading.Lock()
-        self._stats = self._make_stats()
 
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
