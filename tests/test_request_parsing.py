@@ -104,7 +104,7 @@ def test_max_tokens_beyond_int32_quotes_the_value_sent():
 
 @pytest.mark.parametrize("raw, message", [
     ("[" * 100_000 + "]" * 100_000, "sampling_parameters is 200000 bytes; at most 65536"),
-    ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 4"),
+    ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 32"),
     ('{"stop": ["[[[[[[[[", "{{{{{{{"]}', None),  # brackets inside strings do not count
 ])
 def test_sampling_parameters_size_and_depth_are_bounded_before_decoding(raw, message):
