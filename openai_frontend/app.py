@@ -166,10 +166,12 @@ def _load_tokenizer(source: str):
     return AutoTokenizer.from_pretrained(resolve_model_dir(source or None))
 
 
-def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None, tools: ToolChoice) -> str:
+def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None,
+                 tools: ToolChoice | None = None) -> str:
     """The prompt text: the chat template (the tokenizer's, or ``chat_template``) over the messages. A template
     that renders ``tools`` gets them; for one that does not, they (and earlier tool calls and results) are
     presented in the Hermes format (``openai_frontend.tool_calls``)."""
+    tools = tools or ToolChoice("none")
     messages = body.messages_for_template()
     template = chat_template or getattr(tokenizer, "chat_template", None) or ""
     kwargs = dict(body.chat_template_kwargs or {})
