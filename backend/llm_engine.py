@@ -29,6 +29,7 @@ import torch
 from backend.bad_words import bad_words_token_ids
 from backend.block_pool import ALL_BLOCKS_CLEARED
 from backend.config import EngineConfig, resolve_dtype
+from backend.cpu_threads import run_on_fresh_thread
 from backend.engine_core import EngineCore
 from backend.errors import EngineDeadError
 from backend.model_loader import load_model
@@ -40,6 +41,7 @@ from backend.parallel_sampling import ParentRequest
 from backend.prompt_limits import check_prompt_bytes, max_prompt_bytes
 from backend.sampling_params import SamplingParams
 from backend.stats import EngineStats
+from backend.structured_output import Grammar, GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,21 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
+        # Loading runs torch operations; on a thread of its own, so the thread that steps owns the process's
+        # only OpenMP pool (backend.cpu_threads: two pools make every barrier sleep).
+        run_on_fresh_thread(lambda: self._build(config))
+        self.step_log: list[EngineStats] | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._stopping = False
+        self._dead: str | None = None  # why the engine is dead, once it is
+        self._num_steps = 0
+        self._last_step = (0, 0, 0)
+        self._stats_lock = threading.Lock()
+        self._stats = self._make_stats()
+
+    def _build(self, config: EngineConfig) -> None:
+        """Loads the model and tokenizer and builds the engine core (on the loading thread)."""
         model, self.tokenizer = load_model(config.model, self.dtype, config.device)
         self.model_config = model.config
         self.model_attention = inspect_attention(model)  # refuses what the engine cannot run exactly
@@ -85,6 +102,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel,
                                       sliding_window=self.model_attention.uniform_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, model.config.vocab_size)
         # The core's parts, for tests and tools that inspect them.
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         self.scheduler = self.engine_core.scheduler
@@ -96,16 +114,6 @@ class LLMEngine:
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
                                               config.kv_events_topic, config.block_size)
             self.kv_cache_manager.pool.enable_events()
-
-        self.step_log: list[EngineStats] | None = None
-        self._thread: threading.Thread | None = None
-        self._thread_lock = threading.Lock()
-        self._stopping = False
-        self._dead: str | None = None  # why the engine is dead, once it is
-        self._num_steps = 0
-        self._last_step = (0, 0, 0)
-        self._stats_lock = threading.Lock()
-        self._stats = self._make_stats()
 
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
@@ -124,11 +132,15 @@ class LLMEngine:
         Returns:
             The sink.
 
+        A request with ``params.structured_outputs`` has its grammar compiled here, on the caller's thread
+        (once per distinct constraint: cached), before it is queued; the engine loop never compiles.
+
         Raises:
             ValueError: empty prompt, invalid UTF-8, token ids outside the vocabulary, a request that can
                 never fit (over ``max_prompt_bytes`` before tokenizing, over ``max_model_len`` after, or
-                bigger than the whole KV cache), a duplicate request id, or a ``timeout`` that is not a
-                positive number. Nothing is queued then; other requests are unaffected.
+                bigger than the whole KV cache), a duplicate request id, a ``timeout`` that is not a
+                positive number, or an invalid schema, regex or grammar in ``structured_outputs``. Nothing is
+                queued then; other requests are unaffected.
             EngineOverloadedError: the waiting queue is full (``max_num_waiting_requests`` /
                 ``max_num_waiting_tokens``); nothing is queued.
             EngineDeadError: the engine is dead (:meth:`check_health`).
@@ -144,11 +156,15 @@ class LLMEngine:
                              f"(prompt plus at least one output token must fit)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_fits(len(prompt_ids), max_tokens)
+        make_grammar = None
+        if params.structured_outputs is not None:
+            compiled = self.grammar_compiler.compile(params.structured_outputs)
+            make_grammar = lambda: Grammar(compiled, self.eos_token_ids)  # noqa: E731
         sink = sink if sink is not None else queue.Queue()
         parent = ParentRequest(request_id, params, sink)
         requests = parent.make_requests(prompt_ids, self.eos_token_ids, max_tokens,
                                         bad_words_token_ids(self.tokenizer, params.bad_words),
-                                        self.config.enable_prefix_caching, priority, timeout)
+                                        self.config.enable_prefix_caching, priority, timeout, make_grammar)
         self.output_processor.add_request(parent, requests)  # raises on a duplicate id
         try:
             self.engine_core.add_requests(requests)

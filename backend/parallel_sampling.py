@@ -43,12 +43,14 @@ class ParentRequest:
 
     def make_requests(self, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...], max_tokens: int,
                       bad_words_token_ids: list[list[int]], enable_prefix_caching: bool, priority: int = 0,
-                      timeout: float | None = None) -> list[Request]:
+                      timeout: float | None = None, make_grammar=None) -> list[Request]:
         """The ``n`` engine requests; with prefix caching off and ``n`` > 1 they get a common cache salt.
-        ``priority`` and ``timeout`` (seconds) apply to each (:class:`~backend.request.Request`)."""
+        ``priority`` and ``timeout`` (seconds) apply to each (:class:`~backend.request.Request`);
+        ``make_grammar`` (no arguments) gives each completion a grammar state of its own."""
         salt = None if enable_prefix_caching or self.params.n == 1 else uuid.uuid4().hex
         return [Request(self.child_id(i), prompt_token_ids, self.params, eos_token_ids, max_tokens, i,
-                        bad_words_token_ids, cache_salt=salt, priority=priority, timeout=timeout)
+                        bad_words_token_ids, cache_salt=salt, priority=priority, timeout=timeout,
+                        grammar=make_grammar() if make_grammar is not None else None)
                 for i in range(self.params.n)]
 
     def finish_child(self) -> bool:

@@ -46,9 +46,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0,
                  bad_words_token_ids: list[list[int]] | None = None, cache_salt: str | None = None,
-                 priority: int = 0, timeout: float | None = None) -> None:
+                 priority: int = 0, timeout: float | None = None, grammar=None) -> None:
         """``priority``: lower is scheduled first (vLLM's priority policy); ``timeout``: seconds from now after
-        which the request ends with finish_reason ``timeout`` (None: no deadline)."""
+        which the request ends with finish_reason ``timeout`` (None: no deadline); ``grammar``: this
+        completion's :class:`~backend.structured_output.Grammar` when its output is constrained."""
         self.request_id = request_id
         self.index = index  # which of the prompt's n completions (parallel sampling)
         self.params = params
@@ -58,6 +59,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.bad_words_token_ids = bad_words_token_ids or []  # params.bad_words, tokenized (backend.bad_words)
+        self.grammar = grammar  # advanced with each appended token (Scheduler.update_from_output)
         self.cache_salt = cache_salt  # prefix-cache sharing limited to requests with the same salt
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

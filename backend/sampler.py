@@ -8,6 +8,7 @@ import torch
 
 from backend.bad_words import banned_next_tokens
 from backend.request import Request
+from backend.structured_output.grammar import apply_grammar_bitmask
 
 FLOAT_MAX = torch.finfo(torch.float32).max
 
@@ -33,8 +34,10 @@ class Sampler:
     """Turns ``[batch, vocab]`` logits into one token per request.
 
     Order, as in vLLM and transformers' logits processors: penalties (repetition, presence, frequency),
-    min_tokens (EOS and stop_token_ids masked), bad words (masked), then greedy argmax (temperature below
-    1e-5 included), or temperature, top-k, top-p (Holtzman et al. 2020), min-p and a draw. Logits stay finite
+    the structured-output grammar's token bitmask (only rows whose request has a grammar pay for it; see
+    ``backend.structured_output``), min_tokens (EOS and stop_token_ids masked), bad words (masked), then
+    greedy argmax (temperature below 1e-5 included), or temperature, top-k, top-p (Holtzman et al. 2020),
+    min-p and a draw. Logits stay finite
     for every finite parameter: after the penalties and after the temperature they are clamped to
     +-``FLOAT_MAX`` (a repetition penalty of 1e-45 or 3e38 would overflow them to +-inf, and inf - inf in the
     softmax is NaN); only masked tokens are -inf. Draws use the exponential race
@@ -63,8 +66,15 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = self._apply_penalties(logits, requests)
+        grammar_rows = apply_grammar_bitmask(logits, [r.grammar for r in requests])
+        # Where min_tokens or bad words would leave a grammar nothing to pick, the grammar wins.
+        kept = {i: logits[i].clone() for i in grammar_rows
+                if requests[i].num_output_tokens < requests[i].params.min_tokens or requests[i].bad_words_token_ids}
         logits = self._apply_min_tokens(logits, requests)
         logits = self._apply_bad_words(logits, requests)
+        for i, row in kept.items():
+            if bool(torch.isneginf(logits[i]).all()):
+                logits[i] = row
         # max(dim).indices is argmax (the first maximal index) at a fraction of the cost on CPU:
         # measured 0.8 vs 3.8 ms for [64, 49152] fp32 on one core
         token_ids = logits.max(dim=-1).indices
@@ -170,4 +180,5 @@ def _plain_greedy(request: Request) -> bool:
     params = request.params
     return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
             and not params.presence_penalty and not params.frequency_penalty
-            and request.num_output_tokens >= params.min_tokens and not request.bad_words_token_ids)
+            and request.num_output_tokens >= params.min_tokens and not request.bad_words_token_ids
+            and request.grammar is None)

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from backend.structured_output.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
 # Bounds on what one request may ask the detokenizer and sampler to check every step (cost per token grows
@@ -45,6 +47,9 @@ class SamplingParams:
         ignore_eos: keep generating after the EOS token.
         logprobs: also return the sampled token's log-probability and the top-N alternatives (0..20).
         skip_special_tokens: leave special tokens out of the text.
+        structured_outputs: what the output must match (a JSON schema, any JSON object, a regex, a choice,
+            an EBNF grammar; vLLM's ``structured_outputs``), enforced while sampling; an object with those
+            field names (or its JSON text) is converted. See ``backend.structured_output``.
 
     Raises:
         ValueError: naming the field and its allowed range, on any invalid value.
@@ -67,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +108,8 @@ class SamplingParams:
         _bool("skip_special_tokens", self.skip_special_tokens)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -134,8 +134,9 @@ class Scheduler:
 
     # -- after the forward pass --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances ``num_computed_tokens``, appends sampled tokens and finishes requests that hit
-        EOS, a stop token id or max_tokens (:func:`backend.stopping.stop_status`).
+        """Advances ``num_computed_tokens``, appends sampled tokens (advancing the grammar of a request
+        with structured outputs) and finishes requests that hit EOS, a stop token id, the end of their
+        grammar or max_tokens (:func:`backend.stopping.stop_status`).
 
         Args:
             sampled: request id -> the token sampled for it (only requests that reached their last token).
@@ -155,6 +156,10 @@ class Scheduler:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_token(token_id, now)
             updated.append(request)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                self.finish_request(request, RequestStatus.FINISHED_ERROR,
+                                    f"token {token_id} was sampled outside the request's grammar")
+                continue
             reason = stop_status(request, token_id)
             if reason is not None:
                 self.finish_request(request, reason)

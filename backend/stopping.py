@@ -19,7 +19,8 @@ def stop_strings_active(request: Request) -> bool:
 def stop_status(request: Request, token_id: int, stop_string_matched: bool = False) -> RequestStatus | None:
     """Whether the token just appended ends the request, and why.
 
-    vLLM's order: EOS (unless ``ignore_eos``) and ``stop_token_ids``, then a stop string completed by this
+    vLLM's order: a grammar that has terminated (structured outputs), EOS (unless ``ignore_eos``) and
+    ``stop_token_ids``, then a stop string completed by this
     token, then ``max_tokens``. So a last allowed token that is EOS, a stop token or the end of a stop
     string finishes with ``stop``, not ``length``. Within ``min_tokens`` only ``max_tokens`` can end it.
 
@@ -31,6 +32,8 @@ def stop_status(request: Request, token_id: int, stop_string_matched: bool = Fal
         ``FINISHED_STOPPED``, ``FINISHED_LENGTH`` or None (keep going).
     """
     params = request.params
+    if request.grammar is not None and request.grammar.is_terminated():
+        return RequestStatus.FINISHED_STOPPED  # structured output complete (it ends on EOS, whatever ignore_eos says)
     if stop_strings_active(request):
         if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

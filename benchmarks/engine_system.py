@@ -77,11 +77,12 @@ class EngineSystem:
     def __init__(self, config: BenchConfig) -> None:
         self.engine = LLMEngine(engine_config(config))
         self.progress = config.progress
-        sink = self.engine.add_request([1, 2, 3, 4], greedy(4))  # warm-up, untimed
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        while not sink.empty():
-            sink.get_nowait()
+        # Warm-up, untimed, on the loop thread as the runs step: a step on this thread would give the process a
+        # second OpenMP pool, which makes every barrier sleep (backend.cpu_threads).
+        self.engine.start()
+        for _ in self.engine.generate([1, 2, 3, 4], greedy(4)):
+            pass
+        self.engine.shutdown()
 
     def run(self, workload: Workload, mode: str) -> SystemRun:
         engine, arrivals = self.engine, workload.arrivals(mode)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from openai_frontend.errors import OpenAIError
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.tool_calls import ToolCallParser, ToolChoice, messages_for_plain_template
 from openai_frontend.triton_stream import Delta, TritonLLM
 
 DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
@@ -94,14 +95,20 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check()
-        name, version = await _resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)  # the first load takes seconds
-        prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template)
+        tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = body.sampling_parameters(max_tokens, logprobs)
+        if tools.structured_outputs() is not None:
+            if "structured_outputs" in sampling:
+                raise OpenAIError(400, f"tool_choice {tools.mode} constrains the reply; drop response_format",
+                                  "invalid_value", "tool_choice")
+            sampling["structured_outputs"] = tools.structured_outputs()
+        name, version = await _resolve(triton, body.model)
+        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)  # the first load takes seconds
+        prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template, tools)
         view = _View("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, echo=False,
-                     prompts=[prompt], n=body.n or 1, top_n=logprobs)
+                     prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None)
         events = _merged(triton, name, version, [prompt], sampling)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
@@ -178,12 +185,24 @@ def _load_tokenizer(source: str):
     return AutoTokenizer.from_pretrained(resolve_model_dir(source or None))
 
 
-def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None) -> str:
-    """The prompt text: the chat template (the tokenizer's, or ``chat_template``) over the messages."""
+def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None,
+                 tools: ToolChoice | None = None) -> str:
+    """The prompt text: the chat template (the tokenizer's, or ``chat_template``) over the messages. A template
+    that renders ``tools`` gets them; for one that does not, they (and earlier tool calls and results) are
+    presented in the Hermes format (``openai_frontend.tool_calls``)."""
+    tools = tools or ToolChoice("none")
+    messages = body.messages_for_template()
+    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
+    kwargs = dict(body.chat_template_kwargs or {})
+    has_tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    if "tools" in template:
+        if tools.active:
+            kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
+    elif tools.active or has_tool_turns:
+        messages = messages_for_plain_template(messages, tools.tools if tools.active else [])
     try:
-        return tokenizer.apply_chat_template(body.messages_for_template(), tokenize=False,
-                                             add_generation_prompt=True, chat_template=chat_template,
-                                             **(body.chat_template_kwargs or {}))
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             chat_template=chat_template, **kwargs)
     except OpenAIError:
         raise
     except Exception as exc:  # a template that raises (e.g. roles it does not accept) is the request's fault
@@ -232,6 +251,8 @@ class _Choice:
     num_output_tokens: int = 0
     logprobs: list = field(default_factory=list)
     started: bool = False
+    role_sent: bool = False
+    tool_parser: ToolCallParser | None = None  # chat with tools: splits the reply into content and tool calls
 
 
 @dataclass
@@ -246,6 +267,7 @@ class _View:
     prompts: list[str]
     n: int
     top_n: int | None
+    tools: ToolChoice | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_input_tokens: dict[int, int] = field(default_factory=dict)
@@ -254,7 +276,9 @@ class _View:
     def add(self, prompt_index: int, delta: Delta) -> tuple[int, _Choice, str, object]:
         """Records a delta; returns (choice index, its state, the new text, the new logprobs or None)."""
         index = prompt_index * self.n + delta.index
-        choice = self.choices.setdefault(index, _Choice())
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice(tool_parser=ToolCallParser(self.tools) if self.tools else None)
         text = delta.text
         if self.echo and not choice.started:
             text = self.prompts[prompt_index] + text
@@ -337,7 +361,16 @@ async def _collect(view: _View, first, events) -> dict:
         text = "".join(choice.text)
         offset = len(view.prompts[index // view.n]) if view.echo else 0
         logprobs = view.logprobs(choice.logprobs, offset) if view.top_n is not None else None
-        if view.chat:
+        if view.chat and choice.tool_parser is not None:
+            parser = choice.tool_parser
+            parser.feed(text)
+            parser.finish()
+            message = {"role": "assistant", "content": parser.content or None}
+            if parser.calls:
+                message["tool_calls"] = [call.as_message() for call in parser.calls]
+            choices.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(choice)})
+        elif view.chat:
             choices.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs, "finish_reason": choice.finish_reason})
         else:
@@ -355,13 +388,11 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
         while item is not None:
             index, choice, text, logprobs = view.add(*item)
             if view.chat:
-                delta = {"content": text}
-                if len(choice.text) == 1:
-                    delta = {"role": "assistant", "content": text}
-                entry = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                for entry in _chat_chunks(index, choice, text, logprobs):
+                    yield _event({**view.header(chunk=True), "choices": [entry], **usage})
             else:
                 entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-            yield _event({**view.header(chunk=True), "choices": [entry], **usage})
+                yield _event({**view.header(chunk=True), "choices": [entry], **usage})
             item = await anext(events, None)
         if include_usage:
             yield _event({**view.header(chunk=True), "choices": [], "usage": view.usage()})
@@ -370,6 +401,35 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _chat_chunks(index: int, choice: _Choice, text: str, logprobs) -> list[dict]:
+    """The chat chunks' choice entries for one delta: its text, or with tools the content and tool-call deltas
+    the parser releases (none while it holds back a possible ``<tool_call>``); the role goes in the choice's
+    first chunk, the finish reason in its last."""
+    parser = choice.tool_parser
+    if parser is None:
+        deltas = [{"content": text}]
+    else:
+        deltas = parser.feed(text) + (parser.finish() if choice.finish_reason else [])
+        if not deltas and choice.finish_reason:
+            deltas = [{}]
+    entries = []
+    for i, delta in enumerate(deltas):
+        if not choice.role_sent:
+            delta = {"role": "assistant", **delta}
+            choice.role_sent = True
+        last = i == len(deltas) - 1
+        entries.append({"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                        "finish_reason": _finish_reason(choice) if last else None})
+    return entries
+
+
+def _finish_reason(choice: _Choice) -> str | None:
+    """``tool_calls`` when the reply ended normally in tool calls, else the model's reason."""
+    if choice.finish_reason == "stop" and choice.tool_parser is not None and choice.tool_parser.calls:
+        return "tool_calls"
+    return choice.finish_reason
 
 
 def _event(payload: dict) -> str:

@@ -2,10 +2,11 @@
 sampling extras), and their mapping onto the ``llm`` model's ``sampling_parameters``.
 
 Only types are checked here; ranges (temperature >= 0, n >= 1, top_logprobs <= 20, ...) are the engine's to
-check, and its message comes back as a 400. Unknown fields are a 400, as at OpenAI; fields OpenAI has
-but this server does not implement are a 400 naming the field when they ask for something
-(``tools``, ``response_format`` other than text, ``logit_bias``, ...), and ignored when they do not change
-the output (``user``, ``store``, ``metadata``, ...).
+check, and its message comes back as a 400 (so is an invalid JSON schema, regex or grammar). Unknown fields
+are a 400, as at OpenAI; fields OpenAI has but this server does not implement are a 400 naming the field
+when they ask for something (``logit_bias``, ``suffix``, ...), and ignored when they do not change the output
+(``user``, ``store``, ``metadata``, ...). ``response_format`` and ``tools`` are mapped in
+``openai_frontend.structured`` and ``openai_frontend.tool_calls``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.errors import OpenAIError
+from openai_frontend.structured import structured_outputs
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +57,8 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (openai_frontend.structured)
 
     def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """The model's ``sampling_parameters``: the fields that were sent (``max_tokens`` None = up to the
@@ -67,6 +71,7 @@ class _Sampling(BaseModel):
                      "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
                      "skip_special_tokens"):
             values[name] = getattr(self, name)
+        values["structured_outputs"] = structured_outputs(self.response_format, self.structured_outputs)
         return {k: v for k, v in values.items() if v is not None or k == "max_tokens"}
 
     @property
@@ -101,7 +106,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -109,11 +113,6 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[Literal["text"]] | None = None
 
     def check(self) -> None:
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise OpenAIError(400, "tools are not supported yet", "unsupported_parameter", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise OpenAIError(400, "response_format other than text is not supported yet",
-                              "unsupported_parameter", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs true", "invalid_value", "top_logprobs")
         if not self.messages:

@@ -23,6 +23,10 @@ SAMPLING_INPUTS: dict[str, type] = {
     "ignore_eos": bool, "logprobs": int, "n": int,
 }
 FLAG_INPUTS = ("stream", "exclude_input_in_output")
+# Triton's vLLM backend's optional BOOL inputs: each asks for the output of the same name without "return_"
+# (ParsedRequest.returns). Their outputs follow vllm_backend's meaning (see model.py and the README).
+RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                 "return_num_output_tokens")
 LIST_INPUTS = ("stop", "stop_token_ids", "bad_words")  # lists (STRING [-1] tensors, JSON arrays)
 
 # TensorRT-LLM backend inputs (names of its tensorrt_llm, tensorrt_llm_bls and ensemble models), with the
@@ -35,10 +39,14 @@ TRTLLM_INPUTS: dict[str, type] = {
 TRTLLM_LIST_INPUTS = ("stop_words", "bad_words")
 # Scheduling inputs (not sampling): ParsedRequest.priority (lower first) and .timeout_ms (a deadline).
 SCHEDULING_INPUTS: dict[str, type] = {"priority": int, "timeout_ms": int}
+# Structured outputs: vLLM's sampling-parameter names (an object or its JSON text; guided_decoding is its
+# older name, which Triton's OpenAI frontend sends for tool calls), and TensorRT-LLM's two STRING inputs.
+STRUCTURED_OUTPUTS_NAMES = ("structured_outputs", "guided_decoding")
+TRTLLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 # Limits checked before parsing (cheap checks before expensive work).
 MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
-MAX_JSON_DEPTH = 4  # {"stop": ["..."]} is 2 deep
+MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1
 INT32_INPUTS = ("max_tokens", "min_tokens", "top_k", "n", "min_length", "end_id", "pad_id", "beam_width",
@@ -50,6 +58,8 @@ class ParsedRequest:
     """One request as the engine takes it.
 
     Attributes:
+        returns: the vLLM backend's ``return_*`` inputs that were true (``return_cumulative_logprob`` also
+            turns on the sampled tokens' logprobs, ``logprobs`` 0, when none were asked for).
         priority: lower is scheduled first (vLLM's priority policy); 0 when not given.
         timeout_ms: the request's deadline, in milliseconds from its arrival; None for none.
     """
@@ -60,6 +70,7 @@ class ParsedRequest:
     exclude_input_in_output: bool
     priority: int = 0
     timeout_ms: int | None = None
+    returns: frozenset[str] = frozenset()  # the RETURN_INPUTS set true
 
 
 def check_request_id(request_id: str) -> str:
@@ -102,10 +113,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
     for key, value in parameters.items():
-        if key in scalars or key in FLAG_INPUTS or key in lists:
+        if key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES:
             values[key] = value
     if "sampling_parameters" in inputs:
-        values.update(_sampling_parameters(_first(inputs["sampling_parameters"])))
+        values.update(_vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"]))))
+    returns = frozenset(name for name in RETURN_INPUTS
+                        if name in inputs and inputs[name].size and _flag(_first(inputs[name]).item(), name))
     for name in (*scalars, *FLAG_INPUTS):
         if name in inputs and inputs[name].size:
             values[name] = _first(inputs[name]).item()
@@ -135,6 +148,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         raise ValueError(f"timeout_ms must be a positive number of milliseconds, got {timeout_ms}")
     if timeout_ms is None and triton_timeout_us > 0:
         timeout_ms = max(1, triton_timeout_us // 1000)
+    _apply_structured_outputs(values, inputs)
+    if "return_cumulative_logprob" in returns and values.get("logprobs") is None:
+        values["logprobs"] = 0
     aliases = _apply_trtllm_inputs(values)
     try:
         params = SamplingParams.from_dict(values)
@@ -148,7 +164,61 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
                 message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None
-    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms)
+    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns)
+
+
+def _vllm_request_fields(values: dict[str, object]) -> dict[str, object]:
+    """OpenAI request fields that Triton's OpenAI frontend (``--backend vllm``) passes through in
+    ``sampling_parameters``, as the engine's fields: chat's ``logprobs`` (a boolean) with ``top_logprobs``
+    becomes ``logprobs`` (a count, or None); ``best_of`` equal to 1 or ``n`` is dropped.
+
+    Raises:
+        ValueError: ``best_of`` other than 1 or ``n`` (the engine does not rank candidates).
+    """
+    values = dict(values)
+    top_logprobs = values.pop("top_logprobs", None)
+    if isinstance(values.get("logprobs"), bool):
+        values["logprobs"] = (top_logprobs or 0) if values["logprobs"] else None
+    best_of = values.pop("best_of", None)
+    if best_of is not None and best_of not in (1, values.get("n", 1)):
+        raise ValueError(f"best_of must be 1 or n (ranking candidates is not supported), got {_clip(best_of)}")
+    return values
+
+
+def _apply_structured_outputs(values: dict[str, object], inputs: dict[str, np.ndarray]) -> None:
+    """Puts the request's output constraint, however it was sent, in ``values["structured_outputs"]``.
+
+    Accepted: ``structured_outputs`` (vLLM) or ``guided_decoding`` (its former name), each an object or its
+    JSON text, in ``sampling_parameters`` or the request parameters; or TensorRT-LLM's
+    ``guided_decoding_guide_type`` (``json``, ``json_schema``, ``regex``, ``ebnf_grammar``) with
+    ``guided_decoding_guide`` (the schema, regex or grammar) inputs.
+
+    Raises:
+        ValueError: two of them at once, an unknown guide type, or a guide type without a guide.
+    """
+    given = [name for name in STRUCTURED_OUTPUTS_NAMES if values.get(name) is not None]
+    guide_type = _first(inputs["guided_decoding_guide_type"]) if "guided_decoding_guide_type" in inputs else None
+    if guide_type is not None:
+        guide_type = _text("guided_decoding_guide_type", guide_type)
+        if guide_type not in TRTLLM_GUIDE_TYPES:
+            raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(TRTLLM_GUIDE_TYPES)}, "
+                             f"got {_clip(guide_type)}")
+        kind = TRTLLM_GUIDE_TYPES[guide_type]
+        if kind == "json_object":
+            values["guided_decoding_guide_type"] = {"json_object": True}
+        elif "guided_decoding_guide" not in inputs or not inputs["guided_decoding_guide"].size:
+            raise ValueError(f"guided_decoding_guide_type {guide_type} needs guided_decoding_guide")
+        else:
+            values["guided_decoding_guide_type"] = {kind: _text("guided_decoding_guide",
+                                                                _first(inputs["guided_decoding_guide"]))}
+        given.append("guided_decoding_guide_type")
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} both constrain the output; send one")
+    constraint = values.pop(given[0]) if given else None
+    for name in STRUCTURED_OUTPUTS_NAMES:
+        values.pop(name, None)
+    if constraint is not None:
+        values["structured_outputs"] = constraint
 
 
 def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:

@@ -73,3 +73,45 @@ def test_native_orphan_watchdog_ends_the_process_when_the_parent_is_not_the_one_
     right = subprocess.run([sys.executable, "-c", code, str(os.getpid())], capture_output=True, text=True,
                            timeout=60)
     assert right.returncode == 0 and "alive" in right.stdout
+
+
+# In a fresh interpreter (pytest's own thread may already own a pool): the threads a torch operation's OpenMP
+# pool adds stay while the thread that made it lives, and go with a thread run by run_on_fresh_thread.
+POOL_SCRIPT = """
+import os, threading, time, torch
+from backend.cpu_threads import run_on_fresh_thread
+torch.set_num_threads(2)
+count = lambda: len(os.listdir("/proc/self/task"))
+work = lambda: float(torch.ones(1 << 22).sum())
+before = count()
+assert run_on_fresh_thread(work) == float(1 << 22)
+deadline = time.monotonic() + 10
+while count() != before and time.monotonic() < deadline:  # the pool's workers end just after their master
+    time.sleep(0.05)
+after_fresh = count()
+try:
+    run_on_fresh_thread(lambda: 1 / 0)
+except ZeroDivisionError:
+    raised = True
+done, stay = threading.Event(), threading.Event()
+def worker():
+    work(); done.set(); stay.wait()
+t = threading.Thread(target=worker); t.start(); done.wait()
+alive = count() - 1  # less the worker thread itself
+stay.set(); t.join()
+print(before, after_fresh, alive, raised)
+"""
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="an OpenMP pool needs two CPUs")
+def test_loading_on_a_fresh_thread_leaves_no_openmp_pool_behind():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    before, after_fresh, alive, raised = out.stdout.split()
+    assert int(after_fresh) == int(before)  # the fresh thread's pool went with it
+    assert int(alive) > int(before)  # a live thread's pool keeps its worker
+    assert raised == "True"  # errors reach the caller

@@ -104,7 +104,7 @@ def test_max_tokens_beyond_int32_quotes_the_value_sent():
 
 @pytest.mark.parametrize("raw, message", [
     ("[" * 100_000 + "]" * 100_000, "sampling_parameters is 200000 bytes; at most 65536"),
-    ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 4"),
+    ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 32"),
     ('{"stop": ["[[[[[[[[", "{{{{{{{"]}', None),  # brackets inside strings do not count
 ])
 def test_sampling_parameters_size_and_depth_are_bounded_before_decoding(raw, message):
@@ -128,3 +128,35 @@ def test_request_id_length_is_bounded_without_echoing_it():
     assert check_request_id("a" * MAX_REQUEST_ID_BYTES) == "a" * MAX_REQUEST_ID_BYTES
     with pytest.raises(ValueError, match="^request id is 1048576 bytes; at most 256$"):
         check_request_id("x" * 2**20)
+
+
+def test_structured_outputs_arrive_by_every_route_and_only_one_at_a_time():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}}}
+    deep = parse_request(inputs(sampling_parameters=json.dumps({"structured_outputs": {"json": schema}})), {})
+    assert json.loads(deep.params.structured_outputs.json) == schema  # 6 levels deep: within the limit
+    old = parse_request(inputs(sampling_parameters=json.dumps(
+        {"guided_decoding": json.dumps({"regex": "a+", "json": None, "backend": None})})), {})
+    assert old.params.structured_outputs.regex == "a+"
+    assert parse_request(inputs(), {"structured_outputs": '{"choice": ["x"]}'}).params.structured_outputs.choice == ("x",)
+    trt = parse_request(inputs(guided_decoding_guide_type="json_schema", guided_decoding_guide='{"type": "integer"}'), {})
+    assert trt.params.structured_outputs.kind == "json"
+    assert parse_request(inputs(guided_decoding_guide_type="json"), {}).params.structured_outputs.json_object
+    for tensors, message in [(dict(guided_decoding_guide_type="xml"), "guided_decoding_guide_type must be one of"),
+                             (dict(guided_decoding_guide_type="regex"), "needs guided_decoding_guide"),
+                             (dict(guided_decoding_guide_type="json", sampling_parameters=json.dumps(
+                                 {"structured_outputs": {"regex": "a"}})), "both constrain the output")]:
+        with pytest.raises(ValueError, match=message):
+            parse_request(inputs(**tensors), {})
+
+
+def test_vllm_backend_return_switches_and_openai_passthrough_fields():
+    parsed = parse_request(inputs(return_cumulative_logprob=True, return_num_output_tokens=True,
+                                  return_logprobs=False), {})
+    assert parsed.returns == {"return_cumulative_logprob", "return_num_output_tokens"}
+    assert parsed.params.logprobs == 0  # the cumulative logprob needs the sampled tokens' logprobs
+    chat = parse_request(inputs(sampling_parameters=json.dumps(
+        {"logprobs": True, "top_logprobs": 3, "best_of": 1, "n": 1, "temperature": 0.7})), {})
+    assert chat.params.logprobs == 3 and chat.returns == frozenset()
+    assert parse_request(inputs(sampling_parameters=json.dumps({"logprobs": False})), {}).params.logprobs is None
+    with pytest.raises(ValueError, match="best_of must be 1 or n"):
+        parse_request(inputs(sampling_parameters=json.dumps({"best_of": 3})), {})

@@ -15,9 +15,11 @@ default: ``~/.cache/torch_extensions``); later processes load the cached library
 
 from __future__ import annotations
 
-import functools
+import fcntl
 import hashlib
 import logging
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,20 +43,41 @@ def _translation_unit() -> str:
     return "\n".join(part.replace('#include "common.h"', "") for part in parts)
 
 
-@functools.cache
+_load_lock = threading.Lock()
+_loaded: list = []  # [module or None] once load() has run in this process
+
+
 def load():
-    """The compiled extension module, or None (logged) when this machine cannot build it (no compiler)."""
-    from torch.utils.cpp_extension import load_inline
+    """The compiled extension module, or None (logged) when this machine cannot build it (no compiler).
+
+    Safe to call from any thread and process at once. Builds are serialized across processes with an
+    ``flock`` on the build directory, which the kernel releases when its holder dies; torch's own lock file
+    (``FileBaton``) is not: a process killed while holding it (a stub killed during start-up) would make
+    every later load wait forever, so under the flock a leftover one is removed.
+    """
+    with _load_lock:
+        if not _loaded:
+            _loaded.append(_build_or_load())
+        return _loaded[0]
+
+
+def _build_or_load():
+    from torch.utils.cpp_extension import get_default_build_root, load_inline
 
     begin = time.perf_counter()
     source = _translation_unit()
     # The name carries the hash of the source and flags: checkouts of different versions (or worktrees)
     # sharing one extensions directory then keep their own builds instead of rebuilding over each other.
     name = "llm_backend_cpu_kernels_" + hashlib.sha256((source + " ".join(CFLAGS)).encode()).hexdigest()[:12]
+    build_dir = Path(get_default_build_root()) / f"llm_backend_py{sys.version_info[0]}{sys.version_info[1]}" / name
     try:
-        module = load_inline(
-            name=name, cpp_sources=[source], functions=FUNCTIONS,
-            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir / "build.flock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's FileBaton, left by a killed builder
+            module = load_inline(
+                name=name, cpp_sources=[source], functions=FUNCTIONS, build_directory=str(build_dir),
+                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or headers: the engine falls back to gather + SDPA
         log.warning("CPU kernels unavailable (%s); using torch operations", str(exc).splitlines()[0])
         return None

@@ -57,6 +57,7 @@ class _InFlight:
     logprobs: bool = False  # send output_log_probs / cum_log_probs
     log_probs: dict[int, list[float]] = field(default_factory=dict)  # completion index -> per-token logprobs
     top_log_probs: dict[int, list] = field(default_factory=dict)  # completion index -> TokenLogprobs (non-streaming)
+    returns: frozenset[str] = frozenset()  # the vLLM backend's return_* inputs that were true
 
 
 class TritonPythonModel:
@@ -105,7 +106,8 @@ class TritonPythonModel:
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout())
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
-            state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None)
+            state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None,
+                              returns=parsed.returns)
             if len(parsed.prompt) > INLINE_TOKENIZE_BYTES // 4:  # may be over INLINE_TOKENIZE_BYTES
                 check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes, self.engine.max_model_len)
                 if len(parsed.prompt.encode("utf-8", "surrogatepass")) > INLINE_TOKENIZE_BYTES:
@@ -240,6 +242,7 @@ class TritonPythonModel:
                 if state.logprobs:
                     extra = [*_log_prob_tensors(new_log_probs, [sum(log_probs)]),
                              self._vllm_logprobs([out.logprobs or []])]
+                extra += _vllm_outputs(state, [sum(log_probs)], [len(out.token_ids)])
                 state.sender.send(_response([out.text], out.token_ids, [out], extra), flags=flags)
             return
         state.text.setdefault(out.index, []).append(out.text)
@@ -253,10 +256,12 @@ class TritonPythonModel:
             texts = [state.prefix + "".join(state.text.get(i, [])) for i in order]
             ids = [t for i in order for t in state.token_ids.get(i, [])]
             extra = []
+            per_index = [state.log_probs.get(i, []) for i in order]
             if state.logprobs:
-                per_index = [state.log_probs.get(i, []) for i in order]
                 extra = [*_log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index]),
                          self._vllm_logprobs([state.top_log_probs.get(i, []) for i in order])]
+            extra += _vllm_outputs(state, [sum(lps) for lps in per_index],
+                                   [state.finished[i].num_output_tokens for i in order])
             state.sender.send(_response(texts, ids, [state.finished[i] for i in order], extra), flags=FINAL)
 
     def _vllm_logprobs(self, per_completion: list[list]):
@@ -273,9 +278,30 @@ def _log_prob_tensors(output_log_probs: list[float], cum_log_probs: list[float])
             pb_utils.Tensor("cum_log_probs", np.array(cum_log_probs, dtype=np.float32))]
 
 
+def _vllm_outputs(state: _InFlight, cumulative: list[float], new_tokens: list[int]) -> list:
+    """The outputs Triton's vLLM backend adds on request (``return_*`` inputs), per completion in the response:
+    ``cumulative_logprob``, ``logprobs`` as JSON ``null`` where no logprobs were asked for, and
+    ``num_output_tokens`` as the response's new tokens (replacing the tokens-so-far count)."""
+    extra = []
+    if "return_cumulative_logprob" in state.returns:
+        extra.append(pb_utils.Tensor("cumulative_logprob", np.array(cumulative, dtype=np.float32)))
+    if "return_logprobs" in state.returns and not state.logprobs:
+        extra.append(pb_utils.Tensor("logprobs", np.array([b"null"] * len(cumulative), dtype=np.object_)))
+    if "return_num_output_tokens" in state.returns:
+        extra.append(pb_utils.Tensor("num_output_tokens", np.array(new_tokens, dtype=np.uint32)))
+    return extra
+
+
 def _response(texts: list[str], token_ids: list[int], outs: list[RequestOutput], extra: list | None = None):
-    """One response; with n > 1 completions and stream false, one entry per completion (ids concatenated)."""
-    return pb_utils.InferenceResponse(output_tensors=[*(extra or []),
+    """One response; with n > 1 completions and stream false, one entry per completion (ids concatenated).
+    An output in ``extra`` replaces the one of the same name built here."""
+    replaced = {t.name() for t in extra or []}
+    return pb_utils.InferenceResponse(output_tensors=[*(extra or []), *(t for t in _base_outputs(texts, token_ids, outs)
+                                                                        if t.name() not in replaced)])
+
+
+def _base_outputs(texts: list[str], token_ids: list[int], outs: list[RequestOutput]) -> list:
+    return [
         pb_utils.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_)),
         pb_utils.Tensor("output_ids", np.array(token_ids, dtype=np.int64)),
         pb_utils.Tensor("finish_reason", np.array([(o.finish_reason or "").encode() for o in outs], dtype=np.object_)),
@@ -283,7 +309,7 @@ def _response(texts: list[str], token_ids: list[int], outs: list[RequestOutput],
         pb_utils.Tensor("num_output_tokens", np.array([o.num_output_tokens for o in outs], dtype=np.uint32)),
         pb_utils.Tensor("num_cached_tokens", np.array([outs[0].num_cached_tokens], dtype=np.uint32)),
         pb_utils.Tensor("index", np.array([o.index for o in outs], dtype=np.uint32)),
-    ])
+    ]
 
 
 def _send_error(sender, message: str, code) -> None:

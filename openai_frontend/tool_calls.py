@@ -1,0 +1,273 @@
+"""Tool calling in chat completions: presenting tools to the model, constraining ``required`` and named
+choices, and parsing the reply into OpenAI ``tool_calls`` (whole, or as streamed deltas).
+
+Formats parsed (``auto``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes,
+Qwen 2/2.5/3), and the same tags around a JSON list of calls (SmolLM2's function-calling format,
+``<tool_call>[{...}, ...]</tool_call>``); several blocks make several calls, text before the first is the
+message's content; ``parameters`` is accepted for ``arguments``. A block left open when generation ends is
+parsed if its JSON is complete. Anything else stays content.
+
+Presenting: a chat template that takes ``tools`` renders them itself; for one that does not (SmolLM2's),
+a system message lists the tools' signatures in ``<tools></tools>`` and asks for ``<tool_call>`` blocks
+(:func:`tool_system_prompt`); earlier assistant tool calls are rendered as such blocks and ``tool`` results as
+user turns in ``<tool_response></tool_response>``.
+
+Enforcing (structured outputs in the engine): a named ``tool_choice`` constrains the reply to that
+function's ``parameters`` schema (the reply is the arguments); ``required`` to a JSON list of one or more
+``{"name", "arguments"}`` objects, each valid for one of the tools (exactly one with ``parallel_tool_calls``
+false; a list cut short by ``max_tokens`` keeps its complete calls). ``none`` presents no tools.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_frontend.errors import OpenAIError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass
+class ToolChoice:
+    """How a request uses its tools. ``mode``: ``none``, ``auto``, ``required`` or ``named`` (``name`` set)."""
+
+    mode: str
+    tools: list[dict] = field(default_factory=list)  # the ``function`` objects
+    name: str | None = None
+    parallel: bool = True  # ``required``: more than one call allowed (OpenAI's parallel_tool_calls)
+
+    @classmethod
+    def from_request(cls, tools: list[dict] | None, tool_choice: str | dict | None,
+                     parallel_tool_calls: bool | None = None) -> "ToolChoice":
+        """Raises: OpenAIError 400 for a malformed tool, an unknown choice, or a named function not in ``tools``."""
+        functions = []
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not function["name"]:
+                raise OpenAIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
+                                  "invalid_value", "tools")
+            if not isinstance(function.get("parameters", ANY_OBJECT), dict):
+                raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                                  "invalid_value", "tools")
+            functions.append(function)
+        choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise OpenAIError(400, 'tool_choice must be none, auto, required or {"type": "function", '
+                                  '"function": {"name": ...}}', "invalid_value", "tool_choice")
+            if name not in {f["name"] for f in functions}:
+                raise OpenAIError(400, f"tool_choice names function {name!r}, which is not in tools",
+                                  "invalid_value", "tool_choice")
+            return cls("named", functions, name, parallel=False)
+        if choice not in ("none", "auto", "required"):
+            raise OpenAIError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                              "invalid_value", "tool_choice")
+        if choice != "none" and not functions:
+            raise OpenAIError(400, f"tool_choice {choice} needs tools", "invalid_value", "tool_choice")
+        return cls(choice, functions, parallel=parallel_tool_calls is not False)
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    def structured_outputs(self) -> dict | None:
+        """The engine's constraint for ``required`` and named choices (None for ``auto`` and ``none``)."""
+        if self.mode == "named":
+            function = next(f for f in self.tools if f["name"] == self.name)
+            return {"json": json.dumps(function.get("parameters") or ANY_OBJECT)}
+        if self.mode == "required":
+            calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                      "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
+                     for f in self.tools]
+            array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                array["maxItems"] = 1
+            return {"json": json.dumps(array)}
+        return None
+
+
+def tool_system_prompt(tools: list[dict]) -> str:
+    """A system message presenting ``tools`` in the Hermes ``<tools>`` / ``<tool_call>`` format, for chat
+    templates that do not render tools themselves."""
+    signatures = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in tools)
+    return ("You can call functions to answer. Their signatures, as JSON, are between <tools> and </tools>:\n"
+            f"<tools>\n{signatures}\n</tools>\n"
+            "To call one, reply with a JSON object holding its name and its arguments between <tool_call> and "
+            "</tool_call>, one block per call:\n"
+            '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>')
+
+
+def messages_for_plain_template(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` for a template without tool support: the tools' system prompt first (joined with the
+    request's own system message), assistant tool calls as ``<tool_call>`` blocks, tool results as user turns."""
+    out: list[dict] = []
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            blocks = [f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                 "arguments": _loads_or_text(c["function"].get("arguments"))})
+                      + f"\n{CLOSE}" for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [content, *blocks]))})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        prompt = tool_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _loads_or_text(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_message(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def as_delta(self, index: int) -> dict:
+        return {"index": index, **self.as_message()}
+
+
+class ToolCallParser:
+    """Splits one choice's reply into content and tool calls as its text arrives.
+
+    ``feed(text)`` and, once the choice ends, ``finish()`` return OpenAI chat deltas: ``{"content": ...}`` and
+    ``{"tool_calls": [...]}`` (a call's first delta carries ``index``, ``id``, ``type`` and the function's
+    ``name``; its ``arguments`` may follow in pieces, as OpenAI streams them). ``calls`` and ``content`` hold
+    the whole reply; ``finish_reason`` is ``tool_calls`` when there are calls.
+    """
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self.calls: list[ToolCall] = []
+        self.content = ""
+        self._buffer = ""  # auto: text that may be (part of) a <tool_call> block; required: the whole reply
+        self._inside = False
+
+    def feed(self, text: str) -> list[dict]:
+        if self.choice.mode == "named":
+            deltas = []
+            if not self.calls:
+                self.calls.append(ToolCall(self.choice.name, ""))
+                deltas.append({"tool_calls": [{**self.calls[0].as_delta(0), "function": {
+                    "name": self.choice.name, "arguments": ""}}]})
+            if text:
+                self.calls[0].arguments += text
+                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            return deltas
+        self._buffer += text
+        if self.choice.mode == "required":
+            return []
+        return self._scan()
+
+    def finish(self) -> list[dict]:
+        if self.choice.mode == "named":
+            return [] if self.calls else self.feed("")
+        if self.choice.mode == "required":
+            calls = _parse_calls(self._buffer) or _complete_calls(self._buffer)
+            if calls is None:  # cut short (max_tokens) before one call was complete: what came is content
+                return self._content(self._buffer)
+            return self._add_calls(calls)
+        deltas = self._scan()
+        rest, self._buffer = self._buffer, ""
+        if self._inside:
+            self._inside = False
+            calls = _parse_calls(rest[len(OPEN):])
+            if calls is not None:
+                return deltas + self._add_calls(calls)
+        return deltas + self._content(rest if rest.strip() or not self.calls else "")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return "tool_calls" if self.calls else None
+
+    def _scan(self) -> list[dict]:
+        deltas = []
+        while True:
+            if not self._inside:
+                start = self._buffer.find(OPEN)
+                if start < 0:  # hold back a tail that could begin the tag, and the whitespace before it
+                    keep = next((k for k in range(min(len(OPEN) - 1, len(self._buffer)), 0, -1)
+                                 if OPEN.startswith(self._buffer[-k:])), 0)
+                    cut = len(self._buffer[:len(self._buffer) - keep].rstrip())
+                    deltas += self._content(self._buffer[:cut])
+                    self._buffer = self._buffer[cut:]
+                    return deltas
+                deltas += self._content(self._buffer[:start].rstrip())
+                self._buffer = self._buffer[start:]
+                self._inside = True
+            end = self._buffer.find(CLOSE)
+            if end < 0:
+                return deltas
+            block, self._buffer = self._buffer[len(OPEN):end], self._buffer[end + len(CLOSE):].lstrip("\n")
+            self._inside = False
+            calls = _parse_calls(block)
+            deltas += self._add_calls(calls) if calls is not None else self._content(OPEN + block + CLOSE)
+
+    def _content(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        self.content += text
+        return [{"content": text}]
+
+    def _add_calls(self, calls: list[ToolCall]) -> list[dict]:
+        deltas = []
+        for call in calls:
+            deltas.append({"tool_calls": [call.as_delta(len(self.calls))]})
+            self.calls.append(call)
+        return deltas
+
+
+def _parse_calls(text: str) -> list[ToolCall] | None:
+    """``{"name", "arguments"}`` or a list of them (JSON) -> calls; None when it is not that."""
+    try:
+        value = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return calls or None
+
+
+def _complete_calls(text: str) -> list[ToolCall] | None:
+    """The complete calls at the start of a JSON list cut short (``[{...}, {...}, {"na``), or None."""
+    decoder = json.JSONDecoder()
+    calls, pos = [], text.find("[") + 1
+    while pos > 0:
+        while pos < len(text) and text[pos] in " \n\t,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        parsed = _parse_calls(json.dumps(item))
+        if parsed is None:
+            break
+        calls += parsed
+    return calls or None

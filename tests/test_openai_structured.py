@@ -1,0 +1,138 @@
+"""Structured outputs and tool calls through the OpenAI frontend, with the official SDK, the real tritonserver
+and the real SmolLM2 (shares test_openai_frontend's frontend and the session's server)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from test_openai_frontend import client, frontend  # noqa: F401  (the module-scoped fixtures)
+
+pytestmark = pytest.mark.server
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "hobbies"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 2}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 30},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["timezone"], "properties": {"timezone": {"type": "string", "maxLength": 30}}}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def test_json_schema_completions_at_temperature_1_all_validate(client):
+    choices = []
+    for seed in (7, 8):  # 2 x n=10 (the engine's n is at most 16)
+        reply = client.chat.completions.create(
+            model="llm", messages=[{"role": "user", "content": "Describe a person as JSON."}], n=10,
+            temperature=1.0, seed=seed, max_completion_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        choices += reply.choices
+    assert len(choices) == 20
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_json_object_regex_and_choice_hold(client):
+    reply = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "A JSON object about cats."}],
+                                           response_format={"type": "json_object"}, max_completion_tokens=60,
+                                           temperature=0.8, seed=3)
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:  # cut at max tokens: still the start of an object
+        assert reply.choices[0].message.content.startswith("{")
+    out = client.completions.create(model="llm", prompt="My phone number is", max_tokens=20, n=3, temperature=1.0,
+                                    seed=5, extra_body={"structured_outputs": {"regex": r" \d{3}-\d{4}"}})
+    for choice in out.choices:
+        assert re.fullmatch(r" \d{3}-\d{4}", choice.text), choice.text
+    out = client.completions.create(model="llm", prompt="The capital of Italy is", max_tokens=10, n=3,
+                                    temperature=1.0, seed=6,
+                                    extra_body={"structured_outputs": {"choice": [" Rome", " Milan", " Turin"]}})
+    assert {c.text for c in out.choices} <= {" Rome", " Milan", " Turin"}
+
+
+def test_invalid_schema_is_a_400_and_the_server_keeps_serving(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llm", messages=ASK_WEATHER, max_completion_tokens=5,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert "invalid structured_outputs.json" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="llm", prompt="x", max_tokens=5, extra_body={"structured_outputs": {"regex": "(["}})
+    assert client.completions.create(model="llm", prompt="Hello", max_tokens=3).choices[0].text
+
+
+def _arguments_valid(call, tool) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == tool["function"]["name"]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_tool_call_is_valid_and_streams_to_the_same_call(client, tool_choice):
+    kwargs = dict(model="llm/1", messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                  temperature=0, max_completion_tokens=80, parallel_tool_calls=False)
+    reply = client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) >= 1
+    call = choice.message.tool_calls[0]
+    tool = WEATHER if call.function.name == "get_weather" else TIME
+    arguments = _arguments_valid(call, tool)
+    if tool_choice != "required":
+        assert call.function.name == "get_weather"
+
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for delta in c.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = delta.id or entry["id"]
+                entry["name"] += (delta.function.name or "") if delta.function else ""
+                entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    assert reasons[-1] == "tool_calls" and [r for r in reasons if r] == ["tool_calls"]
+    assert calls[0]["name"] == call.function.name and json.loads(calls[0]["arguments"]) == arguments
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_auto_tool_choice_parses_hermes_blocks_or_answers_in_text(client):
+    reply = client.chat.completions.create(model="llm/1", messages=ASK_WEATHER, tools=[WEATHER], temperature=0,
+                                           max_completion_tokens=80)
+    choice = reply.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        json.loads(choice.message.tool_calls[0].function.arguments)
+    else:
+        assert choice.message.content and "<tool_call>" not in choice.message.content
+    # The answer to a tool call goes back as a tool message and is rendered for the model.
+    follow = client.chat.completions.create(
+        model="llm/1", max_completion_tokens=20, temperature=0, tools=[WEATHER], tool_choice="none",
+        messages=[*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}])
+    assert follow.choices[0].message.content and follow.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_tool_requests_are_400(client):
+    for kwargs, word in [(dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "nope"),
+                         (dict(tool_choice="required"), "needs tools"),
+                         (dict(tools=[{"type": "function", "function": {}}]), "tools[0]"),
+                         (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                          "drop response_format")]:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model="llm", messages=ASK_WEATHER, max_completion_tokens=5, **kwargs)
+        assert word in bad.value.body["message"]

@@ -1,0 +1,74 @@
+"""Tool-call parsing and constraints (openai_frontend.tool_calls), without a server: the same reply, fed in
+any pieces, gives the same content and calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from openai_frontend.errors import OpenAIError
+from openai_frontend.tool_calls import ToolCallParser, ToolChoice, messages_for_plain_template
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>\n')
+
+
+def parse(choice: ToolChoice, text: str, piece: int) -> tuple[ToolCallParser, list[dict]]:
+    parser = ToolCallParser(choice)
+    deltas = []
+    for i in range(0, len(text), piece):
+        deltas += parser.feed(text[i:i + piece])
+    return parser, deltas + parser.finish()
+
+
+@pytest.mark.parametrize("piece", [1, 2, 7, 1000])
+def test_hermes_and_smollm2_blocks_parse_the_same_in_any_pieces(piece):
+    parser, deltas = parse(ToolChoice.from_request([WEATHER], "auto"), HERMES, piece)
+    assert parser.content == "Let me look." and parser.finish_reason == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"}),
+                                                                         ("get_weather", {"city": "Rome"})]
+    streamed = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert [s["index"] for s in streamed] == [0, 1] and all(s["id"].startswith("call_") for s in streamed)
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look."
+
+
+def test_text_that_only_looks_like_a_call_stays_content():
+    for text in ("a < b and <tool", "<tool_call>not json</tool_call> done"):
+        parser, _ = parse(ToolChoice.from_request([WEATHER], "auto"), text, 3)
+        assert parser.content == text and not parser.calls and parser.finish_reason is None
+    parser, _ = parse(ToolChoice.from_request([WEATHER], "auto"), '<tool_call>{"name": "get_weather"}', 4)
+    assert parser.calls[0].arguments == "{}"  # an unclosed block whose JSON is complete
+
+
+def test_named_choice_streams_arguments_and_required_keeps_complete_calls():
+    named = ToolChoice.from_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    parser, deltas = parse(named, '{"city": "Oslo"}', 5)
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"city": "Oslo"}'
+    required = ToolChoice.from_request([WEATHER], "required")
+    cut = '[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather", "argu'
+    parser, _ = parse(required, cut, 1000)
+    assert [c.arguments for c in parser.calls] == ['{"city": "A"}']
+    schema = json.loads(ToolChoice.from_request([WEATHER], "required", False).structured_outputs()["json"])
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    assert ToolChoice.from_request([WEATHER], "auto").structured_outputs() is None
+
+
+def test_bad_tool_choices_are_400_and_tool_turns_render_without_tool_support():
+    for tools, choice in [([WEATHER], {"type": "function", "function": {"name": "x"}}), (None, "required"),
+                          ([WEATHER], "sometimes"), ([{"type": "function", "function": {}}], None)]:
+        with pytest.raises(OpenAIError) as bad:
+            ToolChoice.from_request(tools, choice)
+        assert bad.value.status == 400
+    messages = messages_for_plain_template([
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "5 C"}], [WEATHER["function"]])
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert '"name": "get_weather"' in messages[0]["content"] and "<tools>" in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n5 C\n</tool_response>"}
