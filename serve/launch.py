@@ -12,7 +12,8 @@ engine has died unloads itself so that its readiness turns false (``serve.health
 ``python -m serve`` supervises tritonserver (and the OpenAI frontend) instead of replacing itself with it: on
 SIGTERM or SIGINT it first drains, unloading every model through the repository API and waiting until they
 are unloaded (each model finishes what is in flight within its grace period, ``serve.drain``), and only then
-stops tritonserver, which has nothing left in flight. Stopping tritonserver directly with requests in
+stops tritonserver, which has nothing left in flight. While running it also reloads a model whose backend stub
+was killed (``serve.stub_watch``). Stopping tritonserver directly with requests in
 flight makes Triton 2.51 wait its exit timeout for HTTP connections first, then unload the models with
 what time is left, and exit "immediately" when that runs out, with a segmentation fault or a hang while
 the stubs still run.
@@ -35,10 +36,13 @@ from pathlib import Path
 
 import requests
 
+from serve.stub_watch import StubWatch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 STAGING = REPO_ROOT / "build" / "triton"
 DRAIN_TIMEOUT_S = 45.0  # the models' default grace period (30 s) plus time to abort, unload and exit
+WATCH_INTERVAL_S = 1.0  # how often the launcher looks for killed backend stubs
 EXIT_TIMEOUT_S = 5  # tritonserver's --exit-timeout-secs under this launcher, which has drained already
 
 
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         print("+", " ".join(argvs[-1]), flush=True)
     url = f"http://127.0.0.1:{args.http_port}"
     sys.exit(run_together(argvs, command.env,
-                          drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short)))
+                          drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short),
+                          watch=lambda children: StubWatch(url, children[0].pid).check))
 
 
 def drain_models(http_url: str, timeout: float, cut_short=lambda: False) -> bool:
@@ -160,11 +165,12 @@ def drain_models(http_url: str, timeout: float, cut_short=lambda: False) -> bool
     return not names
 
 
-def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None) -> int:
+def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None, watch=None) -> int:
     """Runs the commands as children until the first one ends (or SIGINT/SIGTERM), then stops the others
     (SIGTERM, SIGKILL after 30 s). Returns the exit status of the first to end; when stopped by a signal,
     0 if every child then exited 0, else the first other status.
 
+    ``watch(children)`` returns a check run about once a second while they run (``serve.stub_watch``).
     On SIGINT/SIGTERM, ``drain(cut_short)`` runs first (a second signal makes ``cut_short()`` true). The
     children run in a session of their own, so a Ctrl-C in a terminal reaches only this process, and each
     gets SIGTERM should this process die without stopping them (``PR_SET_PDEATHSIG``).
@@ -178,6 +184,8 @@ def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = None
+    check = watch(children) if watch is not None else None
+    last_check = time.monotonic()
     try:
         while status is None and not stopped:
             for child in children:
@@ -186,6 +194,9 @@ def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None)
                     break
             else:
                 time.sleep(0.2)
+                if check is not None and time.monotonic() - last_check >= WATCH_INTERVAL_S:
+                    check()
+                    last_check = time.monotonic()
         if stopped and drain is not None:
             drain(lambda: len(stopped) > 1)
     finally:

@@ -1,7 +1,8 @@
-"""Stopping a loaded server: ``python -m serve`` drains on SIGTERM within the models' grace period.
+"""``python -m serve`` under stress: SIGTERM with streams in flight (a drain within the models' grace
+period), and a SIGKILLed backend stub (the launcher reloads the model).
 
-One launcher of its own (``python -m serve``, no OpenAI frontend) on a single model version whose grace
-period (``drain_grace_s``) is 8 s. The SIGTERM test stops it, so it runs last.
+Each test runs a launcher of its own (``python -m serve``, no OpenAI frontend) on a single model version whose
+grace period (``drain_grace_s``) is 8 s: both leave their server stopped or broken.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import requests
 
 from client import LLMClient, LLMError
+from serve.stub_watch import STUB_NAME
 from triton_server import start_launcher, stop_server
 
 pytestmark = pytest.mark.server
@@ -25,9 +27,9 @@ GRACE_S = 8.0
 SETTINGS = {"max_num_seqs": 8, "num_blocks": 512, "max_model_len": 2048, "drain_grace_s": GRACE_S}
 
 
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory, default_model_dir):
-    root = tmp_path_factory.mktemp("drain")
+@pytest.fixture
+def launcher(tmp_path, default_model_dir):
+    root = tmp_path
     model = root / "models" / "llm"
     (model / "1").mkdir(parents=True)
     config = (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
@@ -109,3 +111,38 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
     log = launcher.log()
     assert "Signal (11)" not in log and "Exit timeout expired" not in log and "forward pass failed" not in log
     assert not [p.pid for p in stubs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_stub_fails_requests_fast_and_the_launcher_reloads_the_model(launcher):
+    """SIGKILL of the model's stub: a request fails at once (Triton 2.51: ``Stub process ... is not healthy``)
+    instead of hanging, and the launcher notices and reloads the model, which serves again. (A request in
+    flight when the reload's unload begins may wait for the reload: Triton 2.51.)"""
+    client = LLMClient(launcher.grpc_url, launcher.http_url)
+    assert client.generate("Hello", max_tokens=4).num_output_tokens == 4
+    (stub,) = [p for p in tritonserver_of(launcher).children() if p.name() == STUB_NAME]
+    stub.kill()
+    killed = time.monotonic()
+    start = time.monotonic()
+    with pytest.raises(LLMError, match="is not healthy"):
+        client.generate("Hello", max_tokens=4)
+    first_failure = time.monotonic() - start
+    failures, slowest = [], 0.0
+    while True:
+        assert time.monotonic() - killed < 240, f"not serving again; failures: {failures[-3:]}"
+        start = time.monotonic()
+        try:
+            out = client.generate("Hello", max_tokens=4)
+            break
+        except LLMError as exc:
+            failures.append(str(exc))
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.2)
+    recovered = time.monotonic() - killed
+    print(f"first request after the kill failed in {first_failure:.2f} s; then {len(failures)} more failed "
+          f"(slowest {slowest:.2f} s, last {failures[-1:]}); serving again {recovered:.1f} s after the kill")
+    assert out.num_output_tokens == 4
+    assert first_failure < 5
+    (new_stub,) = [p for p in tritonserver_of(launcher).children()
+                   if p.name() == STUB_NAME and p.status() != psutil.STATUS_ZOMBIE]
+    assert new_stub.pid != stub.pid
+    assert "reloading the model" in launcher.log()
