@@ -63,8 +63,17 @@ class DrainMonitor:
         self.draining_since: float | None = None  # time.monotonic() when first seen not ready
         self.aborted = False
         self._stop = threading.Event()
+        self._started = False
+        self._start_lock = threading.Lock()
 
     def start(self) -> None:
+        """Starts polling (idempotent). Call it from ``execute``, never from ``initialize``: Triton calls
+        ``execute`` only once the model is ready, and a readiness query while the server is still loading
+        the model's versions can block that load for good (seen with two versions loading at once)."""
+        with self._start_lock:
+            if self._started:
+                return
+            self._started = True
         threading.Thread(target=self._run, name="llm-drain", daemon=True).start()
 
     def stop(self) -> None:

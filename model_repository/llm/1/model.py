@@ -83,7 +83,6 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.intake: queue.Queue = queue.Queue()
         self.engine.start()
-        self.drain.start()
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self.sender_thread.start()
         threading.Thread(target=self._intake_loop, name="llm-intake", daemon=True).start()
@@ -94,6 +93,7 @@ class TritonPythonModel:
         kernels.cpu.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
 
     def execute(self, requests: list) -> None:
+        self.drain.start()  # here, not in initialize: see DrainMonitor.start
         errors = [self._submit(request) for request in requests]
         if len(requests) == 1 and errors[0]:
             # The error response has gone out already; raising as well makes Triton count the request as a
