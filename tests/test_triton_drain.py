@@ -7,11 +7,9 @@ grace period (``drain_grace_s``) is 8 s: both leave their server stopped or brok
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -19,24 +17,16 @@ import requests
 
 from client import LLMClient, LLMError
 from serve.stub_watch import STUB_NAME
-from triton_server import start_launcher, stop_server
+from triton_server import single_version_repository, start_launcher, stop_server
 
 pytestmark = pytest.mark.server
-REPO_ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 8.0
 SETTINGS = {"max_num_seqs": 8, "num_blocks": 512, "max_model_len": 2048, "drain_grace_s": GRACE_S}
 
 
 @pytest.fixture
 def launcher(tmp_path, default_model_dir):
-    root = tmp_path
-    model = root / "models" / "llm"
-    (model / "1").mkdir(parents=True)
-    config = (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
-    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
-    (model / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / "llm" / "1" / "model.py")
-    (model / "1" / "engine.json").write_text(json.dumps(SETTINGS))
-    server = start_launcher(root / "serve.log", root / "models")
+    server = start_launcher(tmp_path / "serve.log", single_version_repository(tmp_path / "models", SETTINGS))
     yield server
     if server.process.poll() is None:
         stop_server(server)

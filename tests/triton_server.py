@@ -67,6 +67,18 @@ def copy_repository(target: Path, version_settings: dict[str, dict]) -> Path:
     return target
 
 
+def single_version_repository(target: Path, settings: dict) -> Path:
+    """A model repository at ``target`` holding the project's ``llm`` model as one version (1) with ``settings``
+    as its ``engine.json`` (the config's version policy dropped); returns ``target``."""
+    model = target / "llm"
+    (model / "1").mkdir(parents=True)
+    config = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
+    (model / "1" / "model.py").symlink_to(DEFAULT_MODEL_REPOSITORY / "llm" / "1" / "model.py")
+    (model / "1" / "engine.json").write_text(json.dumps(settings))
+    return target
+
+
 def start_server(log_path: Path, extra_args: list[str] | None = None, model_repository: Path | None = None,
                  env: dict[str, str] | None = None) -> TritonServer:
     """Starts tritonserver on ``model_repository`` (default: the project's), with ``env`` added to the
