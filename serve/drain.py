@@ -63,7 +63,7 @@ class DrainMonitor:
         self.draining_since: float | None = None  # time.monotonic() when first seen not ready
         self.aborted = False
         self._stop = threading.Event()
-        self._started = False
+        self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
     def start(self) -> None:
@@ -71,13 +71,19 @@ class DrainMonitor:
         ``execute`` only once the model is ready, and a readiness query while the server is still loading
         the model's versions can block that load for good (seen with two versions loading at once)."""
         with self._start_lock:
-            if self._started:
+            if self._thread is not None or self._stop.is_set():
                 return
-            self._started = True
-        threading.Thread(target=self._run, name="llm-drain", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, name="llm-drain", daemon=True)
+            self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops polling and waits for a readiness query in progress: the stub must not exit in the middle of
+        one (the server then fails to lock the message queue the stub left locked, and aborts)."""
+        with self._start_lock:
+            self._stop.set()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     @property
     def draining(self) -> bool:
