@@ -12,11 +12,10 @@ engine has died unloads itself so that its readiness turns false (``serve.health
 ``python -m serve`` supervises tritonserver (and the OpenAI frontend) instead of replacing itself with it: on
 SIGTERM or SIGINT it first drains, unloading every model through the repository API and waiting until they
 are unloaded (each model finishes what is in flight within its grace period, ``serve.drain``), and only then
-stops tritonserver, which has nothing left in flight. While running it also reloads a model whose backend stub
-was killed (``serve.stub_watch``). Stopping tritonserver directly with requests in
-flight makes Triton 2.51 wait its exit timeout for HTTP connections first, then unload the models with
-what time is left, and exit "immediately" when that runs out, with a segmentation fault or a hang while
-the stubs still run.
+stops tritonserver, which has nothing left in flight. Stopping tritonserver directly with requests in flight
+makes Triton 2.51 wait its exit timeout for HTTP connections first, then unload the models with what time is
+left, and exit "immediately" when that runs out, with a segmentation fault or a hang while the stubs still
+run. While running, the launcher also reloads a model whose backend stub was killed (``serve.stub_watch``).
 """
 
 from __future__ import annotations
