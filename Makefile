@@ -11,8 +11,10 @@ OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 LOADTEST_ARGS ?=
+SOAK_TIME ?= 30m
+SOAK_USERS ?= 64
 
-.PHONY: install serve test test-fast bench bench-peers loadtest clean
+.PHONY: install serve test test-fast bench bench-peers loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +46,14 @@ bench-peers: install
 loadtest: install
 	$(BIN)/python -m loadtest --host http://localhost:$(HTTP_PORT) --grpc-host localhost:$(GRPC_PORT) \
 		--metrics-url http://localhost:$(METRICS_PORT)/metrics $(LOADTEST_ARGS)
+
+# Not in CI: SOAK_TIME (Locust syntax) at saturation against a local `make serve`, both protocols, 20% of users
+# cancelling, the server's and the stubs' memory sampled every 30 s (results/soak/summary.json).
+soak: install
+	$(BIN)/python -m loadtest --soak --host http://localhost:$(HTTP_PORT) --grpc-host localhost:$(GRPC_PORT) \
+		--metrics-url http://localhost:$(METRICS_PORT)/metrics --users $(SOAK_USERS) --spawn-rate 8 \
+		--run-time $(SOAK_TIME) --cancel-share 0.2 --memory-interval 30 --memory-warmup 300 \
+		--stop-timeout 300 --idle-timeout 60 --output-dir results/soak $(LOADTEST_ARGS)
 
 clean:
 	rm -rf build results .pytest_cache

@@ -201,6 +201,10 @@ class LLMEngine:
         if thread is not None and not thread.is_alive() and not self._stopping:
             raise EngineDeadError("engine loop thread died")
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests in flight (as given to ``add_request``), waiting or running."""
+        return self.output_processor.parent_ids()
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
@@ -230,7 +234,7 @@ class LLMEngine:
         self.engine_core.wake()
         if thread is not None:
             thread.join(timeout)
-        for request_id in self.output_processor.parent_ids():
+        for request_id in self.request_ids():
             self.abort(request_id)
         self._deliver(self.output_processor.make_outputs([], self.engine_core.take_inbox(), {}))
         kv_events, self.kv_events = self.kv_events, None

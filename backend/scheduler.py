@@ -10,7 +10,8 @@ table; ``update_from_output()`` applies the model runner's sampled tokens and th
 
 Priorities follow vLLM's priority policy: a lower ``Request.priority`` waits ahead of a higher one (first
 come, first served among equals), and preemption takes the running request with the highest value (the
-newest among equals). With every priority equal this is plain FCFS.
+newest among equals). A waiting request of a lower value than a running one preempts it when there is no
+room for both. With every priority equal this is plain FCFS.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ class Scheduler:
 
         When a running request needs a block and none is free, the running request with the highest priority
         value (the newest among equals) is preempted (recompute: its blocks are freed and it goes back to the
-        waiting queue, ahead of its equals); no waiting request is admitted in a step that preempted.
+        waiting queue, ahead of its equals); no waiting request is admitted in a step that preempted so.
+        A waiting request that finds no free block or no free sequence slot preempts the running request with
+        the highest priority value if that value is higher than its own (vLLM's priority policy); with every
+        priority equal this never happens, and admission is plain FCFS.
         """
         token_budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -102,13 +106,21 @@ class Scheduler:
                 token_budget -= num_new
                 i += 1
 
-        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and token_budget > 0:
+        while not preempted and self.waiting and token_budget > 0:
             request = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if not self._preempt_for(request, scheduled):
+                    break
+                token_budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
+                continue
             cached = self.kv.get_computed_blocks(request)  # new or preempted: it holds no blocks
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget)
             if not self.kv.allocate_slots(request, num_new, cached):
-                break
+                if not self._preempt_for(request, scheduled):
+                    break
+                token_budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
+                continue
             request.num_computed_tokens += num_cached
             if request.num_preemptions == 0 and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
@@ -123,6 +135,21 @@ class Scheduler:
         return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
                                                  self.kv.get_block_ids(request.request_id))
                                 for request, n in scheduled])
+
+    def _preempt_for(self, request: Request, scheduled: list[tuple[Request, int]]) -> bool:
+        """Makes room for the waiting ``request`` by preempting the running request with the highest priority
+        value (the newest among equals), if that value is higher than ``request``'s (vLLM's priority policy);
+        a victim scheduled earlier this step is taken out of ``scheduled``. Returns whether one was."""
+        if not self.running:
+            return False
+        victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
+        victim = self.running[victim_index]
+        if victim.priority <= request.priority:
+            return False
+        self.running.pop(victim_index)
+        scheduled[:] = [(r, n) for r, n in scheduled if r is not victim]
+        self._preempt(victim)
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -6,7 +6,13 @@ output directory; then scrapes Triton's metrics, waits for the server to go idle
 it as ``summary.json``. Arguments it does not know are passed to Locust (e.g. ``HttpStreamUser`` to run one
 protocol only, ``--loglevel DEBUG``).
 
-Exit status: 0 when streams completed without failures and the server was idle and ready afterwards, else 1.
+``--soak`` (``make soak``: 30 minutes at saturation, both protocols, 20% of users cancelling) also samples the
+resident memory of the local tritonserver and of its backend stubs every ``--memory-interval`` seconds
+(``loadtest.memory``) and fails the run when a process grew by more than ``--max-rss-drift-mib`` after the
+warm-up.
+
+Exit status: 0 when streams completed without failures and the server was idle and ready afterwards (and, in
+a soak, memory did not drift past the bound), else 1.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 import requests
 
+from loadtest.memory import MemorySampler, find_server
 from loadtest.report import format_summary
 from loadtest.server_metrics import idle_gauges, run_deltas, scrape, wait_for_idle
 from loadtest.workload import DEFAULT_WORKLOAD
@@ -50,6 +57,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--output-dir", type=Path, default=Path("results/loadtest"), help="where reports go")
     parser.add_argument("--idle-timeout", type=float, default=15.0,
                         help="seconds to wait after the run for running/waiting/KV use to reach 0")
+    soak = parser.add_argument_group("soak")
+    soak.add_argument("--soak", action="store_true", help="sample the server's and stubs' memory (the server "
+                      "must run on this machine) and check its drift")
+    soak.add_argument("--memory-interval", type=float, default=30.0, help="seconds between memory samples")
+    soak.add_argument("--memory-warmup", type=float, default=60.0,
+                      help="drift is measured from the first sample this many seconds into the run")
+    soak.add_argument("--max-rss-drift-mib", type=float, default=256.0,
+                      help="a process growing more than this after the warm-up fails the soak")
     return parser.parse_known_args(argv)
 
 
@@ -73,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": python_path}  # the locustfile imports client/ and loadtest/
     command = locust_command(args, passthrough)
     print("+", " ".join(command), flush=True)
+    sampler = None
+    if args.soak and (server_process := find_server(args.host)) is not None:
+        sampler = MemorySampler(server_process, args.memory_interval)
+        sampler.start()
     start = time.monotonic()
     locust_status = subprocess.run(command, env=env).returncode
     elapsed = time.monotonic() - start
@@ -92,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"users": args.users, "run_time": args.run_time, "cancel_share": args.cancel_share,
               "output_dir": str(args.output_dir), "elapsed_s": elapsed, "locust_exit_status": locust_status,
               "locust": stats, "server": server}
+    if args.soak:
+        if sampler is not None:
+            sampler.stop()  # after the wait for idle: the last sample is of the idle server
+        result["memory"] = None if sampler is None else {
+            **sampler.summary(args.memory_warmup), "max_drift_mib": args.max_rss_drift_mib}
     result["problems"] = problems(result)
     result["ok"] = not result["problems"]
     (args.output_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -111,6 +135,15 @@ def problems(result: dict) -> list[str]:
         found.append(f"{sum(p['failures'] for p in protocols)} failed streams")
     if not sum(p["completed"] for p in protocols):
         found.append("no stream completed")
+    if "memory" in result:
+        memory = result["memory"]
+        if memory is None:
+            found.append("no local tritonserver found to sample memory from")
+        else:
+            for name, process in memory["processes"].items():
+                if process["drift_mib"] > memory["max_drift_mib"]:
+                    found.append(f"{name} grew {process['drift_mib']:.0f} MiB after the warm-up "
+                                 f"(bound {memory['max_drift_mib']:.0f} MiB)")
     server = result["server"]
     if server is None:
         found.append("server metrics not reachable")

@@ -55,6 +55,8 @@ def format_summary(result: dict) -> str:
         lines.append(f"  exception x{exception['count']}: {exception['message']}")
 
     lines += ["", "Server metrics: not reachable"] if server is None else _server_lines(result)
+    if "memory" in result:
+        lines += _memory_lines(result["memory"])
     lines += ["", "PASS" if result["ok"] else f"FAIL: {'; '.join(result['problems'])}"]
     return "\n".join(lines)
 
@@ -76,6 +78,18 @@ def _server_lines(result: dict) -> list[str]:
             + (f"idle after {server['idle_wait_s']:.1f} s" if server["idle"] else
                f"NOT idle after {server['idle_wait_s']:.1f} s"),
             f"  server ready: {server['ready']}"]
+
+
+def _memory_lines(memory: dict | None) -> list[str]:
+    if memory is None:
+        return ["", "Memory: no local tritonserver found"]
+    lines = ["", f"Memory (RSS MiB, every {memory['interval_s']:.0f} s; drift = end - first sample after "
+                 f"{memory['warmup_s']:.0f} s, bound {memory['max_drift_mib']:.0f}):",
+             f"  {'process':<22}{'start':>8}{'warm':>8}{'end':>8}{'max':>8}{'drift':>8}"]
+    for name, p in memory["processes"].items():
+        lines.append(f"  {name:<22}{p['start_mib']:>8.0f}{p['warm_mib']:>8.0f}{p['end_mib']:>8.0f}"
+                     f"{p['max_mib']:>8.0f}{p['drift_mib']:>+8.0f}")
+    return lines
 
 
 def _percentiles(stat: dict | None) -> str:

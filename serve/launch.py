@@ -8,11 +8,20 @@ The server runs in explicit model-control mode with every model loaded at start 
 --load-model=*``): the same models as the default mode, plus the load/unload API, through which a model whose
 engine has died unloads itself so that its readiness turns false (``serve.health``). Pass another
 ``--model-control-mode`` to override.
+
+``python -m serve`` supervises tritonserver (and the OpenAI frontend) instead of replacing itself with it: on
+SIGTERM or SIGINT it first drains, unloading every model through the repository API and waiting until they
+are unloaded (each model finishes what is in flight within its grace period, ``serve.drain``), and only then
+stops tritonserver, which has nothing left in flight. Stopping tritonserver directly with requests in flight
+makes Triton 2.51 wait its exit timeout for HTTP connections first, then unload the models with what time is
+left, and exit "immediately" when that runs out, with a segmentation fault or a hang while the stubs still
+run. While running, the launcher also reloads a model whose backend stub was killed (``serve.stub_watch``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -24,9 +33,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import requests
+
+from serve.stub_watch import StubWatch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 STAGING = REPO_ROOT / "build" / "triton"
+DRAIN_TIMEOUT_S = 45.0  # the models' default grace period (30 s) plus time to abort, unload and exit
+WATCH_INTERVAL_S = 1.0  # how often the launcher looks for killed backend stubs
+EXIT_TIMEOUT_S = 5  # tritonserver's --exit-timeout-secs under this launcher, which has drained already
 
 
 @dataclass
@@ -94,22 +110,72 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
                         help="port of the OpenAI frontend started beside tritonserver (0: none)")
+    parser.add_argument("--drain-timeout-secs", type=float, default=DRAIN_TIMEOUT_S,
+                        help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
+                             "(their own grace period is the model setting drain_grace_s) before stopping "
+                             "tritonserver")
     args, extra = parser.parse_known_args(argv)
+    if not any(arg.startswith("--exit-timeout-secs") for arg in extra):
+        # This process drains before it stops tritonserver, whose exit timeout then only bounds the wait for
+        # idle HTTP keep-alive connections (Triton 2.51 waits for every open HTTP connection first).
+        extra = [*extra, f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
     command = build_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                             args.log_verbose, extra)
     print("+", " ".join(command.argv), flush=True)
-    if args.openai_port <= 0:
-        os.execve(command.argv[0], command.argv, command.env)
-    frontend = [sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
-                "--triton-url", f"localhost:{args.grpc_port}", "--model-repository", str(args.model_repository)]
-    print("+", " ".join(frontend), flush=True)
-    sys.exit(run_together([command.argv, frontend], command.env))
+    argvs = [command.argv]
+    if args.openai_port > 0:
+        argvs.append([sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
+                      "--triton-url", f"localhost:{args.grpc_port}", "--model-repository",
+                      str(args.model_repository)])
+        print("+", " ".join(argvs[-1]), flush=True)
+    url = f"http://127.0.0.1:{args.http_port}"
+    sys.exit(run_together(argvs, command.env,
+                          drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short),
+                          watch=lambda children: StubWatch(url, children[0].pid).check))
 
 
-def run_together(argvs: list[list[str]], env: dict[str, str]) -> int:
+def drain_models(http_url: str, timeout: float, cut_short=lambda: False) -> bool:
+    """Unloads every loaded model through Triton's repository API and waits until all are unloaded.
+
+    The unload turns each model not ready at once (Triton refuses new requests for it) and lets its requests in
+    flight finish; the model itself bounds that by its grace period (``serve.drain``). Returns True once no
+    model is loaded or unloading, False after ``timeout`` seconds, when ``cut_short()`` turns true, or when
+    the server does not take the request (HTTP disabled, or not in explicit model-control mode).
+    """
+    deadline = time.monotonic() + timeout
+
+    def live() -> set[str]:
+        index = requests.post(f"{http_url}/v2/repository/index", json={}, timeout=5).json()
+        return {m["name"] for m in index if m.get("state") in ("READY", "LOADING", "UNLOADING")}
+
+    try:
+        names = live()
+        for name in sorted(names):
+            response = requests.post(f"{http_url}/v2/repository/models/{name}/unload", timeout=5)
+            if response.status_code != 200:
+                print(f"could not unload model {name!r}: {response.text}", file=sys.stderr, flush=True)
+                return False
+        print(f"draining: unloading {', '.join(sorted(names)) or 'no models'}", file=sys.stderr, flush=True)
+        while (names := live()) and time.monotonic() < deadline and not cut_short():
+            time.sleep(0.2)
+    except (requests.RequestException, ValueError) as exc:
+        print(f"draining failed ({exc}); stopping tritonserver", file=sys.stderr, flush=True)
+        return False
+    return not names
+
+
+def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None, watch=None) -> int:
     """Runs the commands as children until the first one ends (or SIGINT/SIGTERM), then stops the others
-    (SIGTERM, SIGKILL after 30 s). Returns the exit status of the first to end (128 + signal if stopped)."""
-    children = [subprocess.Popen(argv, env=env) for argv in argvs]
+    (SIGTERM, SIGKILL after 30 s). Returns the exit status of the first to end; when stopped by a signal,
+    0 if every child then exited 0, else the first other status.
+
+    ``watch(children)`` returns a check run about once a second while they run (``serve.stub_watch``).
+    On SIGINT/SIGTERM, ``drain(cut_short)`` runs first (a second signal makes ``cut_short()`` true). The
+    children run in a session of their own, so a Ctrl-C in a terminal reaches only this process, and each
+    gets SIGTERM should this process die without stopping them (``PR_SET_PDEATHSIG``).
+    """
+    children = [subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_terminate_with_parent)
+                for argv in argvs]
     stopped: list[int] = []
 
     def stop(signum, frame) -> None:
@@ -117,6 +183,8 @@ def run_together(argvs: list[list[str]], env: dict[str, str]) -> int:
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = None
+    check = watch(children) if watch is not None else None
+    last_check = time.monotonic()
     try:
         while status is None and not stopped:
             for child in children:
@@ -125,6 +193,11 @@ def run_together(argvs: list[list[str]], env: dict[str, str]) -> int:
                     break
             else:
                 time.sleep(0.2)
+                if check is not None and time.monotonic() - last_check >= WATCH_INTERVAL_S:
+                    check()
+                    last_check = time.monotonic()
+        if stopped and drain is not None:
+            drain(lambda: len(stopped) > 1)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -137,7 +210,17 @@ def run_together(argvs: list[list[str]], env: dict[str, str]) -> int:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    return status if status is not None else 128 + stopped[0]
+    if status is None:  # stopped by a signal: 0 when every child stopped cleanly
+        status = next((child.returncode for child in children if child.returncode != 0), 0)
+    return status
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

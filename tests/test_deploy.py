@@ -111,14 +111,19 @@ def test_every_overlay_renders_and_its_built_in_kinds_validate(overlay):
         assert gpu == 1 and settings["device"] == "cuda"
 
 
-def test_drain_grace_period_covers_prestop_and_triton_exit_timeout():
-    deployment = one(render("base"), "Deployment", "triton-llm")
+def test_termination_grace_period_covers_prestop_drain_and_triton_exit_timeout():
+    from serve.launch import EXIT_TIMEOUT_S
+
+    docs = render("base")
+    deployment = one(docs, "Deployment", "triton-llm")
     triton = container(deployment, "triton")
-    drain = int(next(e["value"] for e in triton["env"] if e["name"] == "DRAIN_GRACE_PERIOD_S"))
-    assert "--exit-timeout-secs=$(DRAIN_GRACE_PERIOD_S)" in triton["args"]
+    drain_timeout = int(next(e["value"] for e in triton["env"] if e["name"] == "DRAIN_TIMEOUT_S"))
+    assert "--drain-timeout-secs=$(DRAIN_TIMEOUT_S)" in triton["args"]
+    assert float(engine_settings(docs)["drain_grace_s"]) < drain_timeout  # the engine's grace ends first
     prestop = {int(c["lifecycle"]["preStop"]["exec"]["command"][1])
                for c in deployment["spec"]["template"]["spec"]["containers"]}
-    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == max(prestop) + drain + 5
+    assert (deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            == max(prestop) + drain_timeout + EXIT_TIMEOUT_S + 5)
 
 
 def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
@@ -239,7 +244,7 @@ def replicas(tmp_path_factory):
 
 
 def _start(replica: dict):
-    # A short drain: nothing is in flight when the test stops them (the pod's is DRAIN_GRACE_PERIOD_S).
+    # A short drain: nothing is in flight when the test stops them (the pod's is DRAIN_TIMEOUT_S).
     return start_server(replica["root"] / "tritonserver.log", model_repository=replica["repository"],
                         env={"POD_IP": "127.0.0.1"}, extra_args=["--exit-timeout-secs=5"])
 

@@ -74,6 +74,38 @@ def test_lower_priority_value_is_admitted_first_and_higher_value_is_preempted_fi
     assert all(outs[-1].num_output_tokens == 20 for outs in results.values())
 
 
+def test_waiting_high_priority_request_preempts_the_lowest_priority_running_one(make_engine, tiny_model_dir,
+                                                                                tiny_reference):
+    # No free sequence slot: max_num_seqs 2, both running; a lower value arrives and takes the slot of the
+    # running request with the highest value (the newer of two equals), which then waits and later resumes.
+    engine = make_engine(tiny_model_dir, max_num_seqs=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sinks = {rid: engine.add_request([1, 2, 3], params, request_id=rid, priority=5) for rid in ("low1", "low2")}
+    engine.step()
+    sinks["high"] = engine.add_request([4, 5, 6], params, request_id="high", priority=0)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["low1", "high"]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["low2"] and engine.stats().num_preemptions == 1
+    results = run_to_completion(engine, sinks)
+    want, _ = tiny_reference.greedy([1, 2, 3], 12)
+    assert [t for o in results["low2"] for t in o.token_ids] == want  # recomputed: the same greedy tokens
+    assert all(outs[-1].num_output_tokens == 12 for outs in results.values())
+
+    # No free block: 4 blocks of 16 tokens, a running 40-token prompt holds 3; a 20-token one of lower value
+    # needs 2, so the running one goes. Equal priorities never preempt at admission (FCFS: it waits).
+    for high_priority, preempted in ((0, True), (5, False)):
+        engine = make_engine(tiny_model_dir, num_blocks=4, max_num_seqs=4)
+        sinks = {"low": engine.add_request(list(range(1, 41)), params, request_id="low", priority=5)}
+        engine.step()
+        sinks["high"] = engine.add_request(list(range(41, 61)), params, request_id="high", priority=high_priority)
+        engine.step()
+        running = [r.request_id for r in engine.scheduler.running]
+        assert running == (["high"] if preempted else ["low"]), running
+        results = run_to_completion(engine, sinks)
+        assert all(outs[-1].num_output_tokens == 12 for outs in results.values())
+        assert engine.kv_cache_manager.usage().used_blocks == 0
+
+
 def test_failing_forward_fails_its_requests_then_a_permanent_fault_kills_the_engine(
         make_engine, tiny_model_dir, tmp_path, monkeypatch):
     fault = tmp_path / "fault"

@@ -136,3 +136,30 @@ def _wait_idle(server, timeout_s: float) -> None:
     while any(server.metric(g) for g in ("llm_num_requests_running", "llm_num_requests_waiting")):
         assert time.monotonic() < deadline, "server busy before the load test"
         time.sleep(0.5)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(400)
+def test_one_minute_soak_has_no_failures_returns_to_idle_and_memory_does_not_drift(triton_server, tmp_path):
+    """``make soak`` in small: 60 s at saturation over both protocols with 20% of users cancelling, memory of
+    tritonserver and its stubs sampled every 10 s; drift after a 20 s warm-up bounded by 200 MiB a process."""
+    _wait_idle(triton_server, timeout_s=30)
+    out = tmp_path / "soak"
+    command = [sys.executable, "-m", "loadtest", "--soak", "--host", triton_server.http_url,
+               "--grpc-host", triton_server.grpc_url, "--metrics-url", triton_server.metrics_url,
+               "--users", "10", "--spawn-rate", "10", "--run-time", "60s", "--cancel-share", "0.2",
+               "--max-output-tokens", "24", "--stop-timeout", "90", "--idle-timeout", "30",
+               "--memory-interval", "10", "--memory-warmup", "20", "--max-rss-drift-mib", "200",
+               "--output-dir", str(out)]
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=360)
+    print(run.stdout[-3000:])
+    assert run.returncode == 0, f"soak failed:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    result = json.loads((out / "summary.json").read_text())
+    protocols = result["locust"]["protocols"]
+    assert set(protocols) == {"http", "grpc"}
+    assert all(s["failures"] == 0 and s["completed"] > 0 and s["cancelled"] > 0 for s in protocols.values())
+    assert result["server"]["idle"] and result["server"]["deltas"]["triton_failure"] == 0
+    memory = result["memory"]
+    assert {"tritonserver", "stub llm/1", "stub llm/2"} <= set(memory["processes"])
+    assert len(memory["samples"]) >= 6
+    assert all(p["drift_mib"] <= 200 for p in memory["processes"].values()), memory["processes"]

@@ -6,6 +6,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.launch import DEFAULT_MODEL_REPOSITORY, build_command
+from serve.launch import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, build_command
 
 STARTUP_TIMEOUT_S = 300
 
@@ -66,6 +67,18 @@ def copy_repository(target: Path, version_settings: dict[str, dict]) -> Path:
     return target
 
 
+def single_version_repository(target: Path, settings: dict) -> Path:
+    """A model repository at ``target`` holding the project's ``llm`` model as one version (1) with ``settings``
+    as its ``engine.json`` (the config's version policy dropped); returns ``target``."""
+    model = target / "llm"
+    (model / "1").mkdir(parents=True)
+    config = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
+    (model / "1" / "model.py").symlink_to(DEFAULT_MODEL_REPOSITORY / "llm" / "1" / "model.py")
+    (model / "1" / "engine.json").write_text(json.dumps(settings))
+    return target
+
+
 def start_server(log_path: Path, extra_args: list[str] | None = None, model_repository: Path | None = None,
                  env: dict[str, str] | None = None) -> TritonServer:
     """Starts tritonserver on ``model_repository`` (default: the project's), with ``env`` added to the
@@ -77,8 +90,24 @@ def start_server(log_path: Path, extra_args: list[str] | None = None, model_repo
     log = open(log_path, "wb")
     process = subprocess.Popen(command.argv, env={**command.env, **(env or {})}, stdout=log,
                                stderr=subprocess.STDOUT)
-    server = TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics",
-                          process, log_path)
+    return _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                                    f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+
+
+def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[str] | None = None) -> TritonServer:
+    """Starts ``python -m serve`` (no OpenAI frontend) on ``model_repository``; ``process`` is the launcher,
+    which supervises tritonserver. Returns once the server reports ready."""
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-m", "serve", f"--model-repository={model_repository}", f"--http-port={http}",
+            f"--grpc-port={grpc}", f"--metrics-port={metrics}", "--openai-port=0", "--metrics-interval-ms=200",
+            *(launcher_args or [])]
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    return _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                                    f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+
+
+def _wait_ready(server: TritonServer) -> TritonServer:
+    process = server.process
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not server.is_ready():
         if process.poll() is not None or time.monotonic() > deadline:

@@ -8,8 +8,10 @@ Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tok
 ``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
 ``llm-sender`` (responses, metrics), ``llm-cancel`` (asks each sender ``is_cancelled()`` every
 ``CANCEL_SWEEP_S`` and aborts those requests in the engine, which drops a waiting one before it can be
-scheduled), ``llm-watchdog``. The engine loop never calls back into this module. The sender thread also
-checks the engine's health when idle (``serve.health``: a dead engine unloads the model).
+scheduled), ``llm-drain`` (``serve.drain``: once the model is being unloaded, refuses new requests and
+aborts those still in flight after ``drain_grace_s``), ``llm-watchdog``. The engine loop never calls back
+into this module. The sender thread also checks the engine's health when idle (``serve.health``: a dead
+engine unloads the model).
 
 A request the engine cannot take now (the waiting queue is full, or the engine is dead) gets UNAVAILABLE
 (HTTP 503 on the generate endpoints); bad input gets INVALID_ARG (HTTP 400).
@@ -33,6 +35,7 @@ import triton_python_backend_utils as pb_utils
 import kernels.cpu
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput
 from backend.prompt_limits import check_prompt_bytes
+from serve.drain import DrainMonitor, pop_grace
 from serve.health import HealthMonitor
 from serve.logprobs import vllm_logprobs
 from serve.metrics import EngineMetrics, pop_metric_settings
@@ -68,9 +71,11 @@ class TritonPythonModel:
         if overrides.exists():
             settings.update(json.loads(overrides.read_text()))
         metric_options = pop_metric_settings(settings)
+        drain_grace_s = pop_grace(settings)
         self.engine = LLMEngine(EngineConfig.from_dict(settings))
         self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], **metric_options)
         self.health = HealthMonitor(self.engine, pb_utils, args["model_name"])
+        self.drain = DrainMonitor(self.engine, pb_utils, args["model_name"], args["model_version"], drain_grace_s)
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
         self.inflight: dict[str, _InFlight] = {}
         # Held while asking a sender is_cancelled() and while sending a FINAL: Triton frees a response
@@ -90,6 +95,7 @@ class TritonPythonModel:
         kernels.cpu.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
 
     def execute(self, requests: list) -> None:
+        self.drain.start()  # here, not in initialize: see DrainMonitor.start
         errors = [self._submit(request) for request in requests]
         if len(requests) == 1 and errors[0]:
             # The error response has gone out already; raising as well makes Triton count the request as a
@@ -131,6 +137,7 @@ class TritonPythonModel:
         """Tokenizes and queues one request in the engine. Raises what ``LLMEngine.add_request`` raises."""
         self.inflight[request_id] = state
         try:
+            self.drain.check_accepting()
             timeout = None if parsed.timeout_ms is None else parsed.timeout_ms / 1000
             self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs,
                                     priority=parsed.priority, timeout=timeout)
@@ -140,6 +147,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.stopping.set()
+        self.drain.stop()
         self.intake.put(None)
         self.engine.shutdown(timeout=5.0)  # in-flight requests end with finish_reason "abort"
         self.outputs.put(None)

@@ -1,0 +1,138 @@
+"""``python -m serve`` under stress: SIGTERM with streams in flight (a drain within the models' grace
+period), and a SIGKILLed backend stub (the launcher reloads the model).
+
+Each test runs a launcher of its own (``python -m serve``, no OpenAI frontend) on a single model version whose
+grace period (``drain_grace_s``) is 8 s: both leave their server stopped or broken.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from client import LLMClient, LLMError
+from serve.stub_watch import STUB_NAME
+from triton_server import single_version_repository, start_launcher, stop_server
+
+pytestmark = pytest.mark.server
+GRACE_S = 8.0
+SETTINGS = {"max_num_seqs": 8, "num_blocks": 512, "max_model_len": 2048, "drain_grace_s": GRACE_S}
+
+
+@pytest.fixture
+def launcher(tmp_path, default_model_dir):
+    server = start_launcher(tmp_path / "serve.log", single_version_repository(tmp_path / "models", SETTINGS))
+    yield server
+    if server.process.poll() is None:
+        stop_server(server)
+
+
+def tritonserver_of(launcher) -> psutil.Process:
+    (triton,) = [p for p in psutil.Process(launcher.process.pid).children() if "tritonserver" in p.name()]
+    return triton
+
+
+def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
+    """SIGTERM to the launcher with three long streams (2 HTTP, 1 gRPC) and one short one in flight: the
+    short one completes, the long ones end with ``abort`` and a final response after the grace period, a new
+    request during the drain is refused at once with a message, readiness is false, and everything exits 0."""
+    client = LLMClient(launcher.grpc_url, launcher.http_url)
+    triton = tritonserver_of(launcher)
+    stubs = triton.children()
+    streams: dict[str, list] = {}
+    errors: dict[str, str] = {}
+
+    def run(name: str, protocol: str, max_tokens: int) -> None:
+        streams[name] = []
+        try:
+            for delta in getattr(client, f"stream_{protocol}")(f"Story {name}:", max_tokens=max_tokens,
+                                                                ignore_eos=True):
+                streams[name].append(delta)
+        except LLMError as exc:
+            errors[name] = str(exc)
+
+    specs = {"http1": ("http", 2000), "http2": ("http", 2000), "grpc": ("grpc", 2000), "short": ("http", 0)}
+    threads = {name: threading.Thread(target=run, args=(name, protocol, n)) for name, (protocol, n) in specs.items()
+               if n}
+    for t in threads.values():
+        t.start()
+    deadline = time.monotonic() + 120
+    while not all(len(streams.get(name, [])) >= 2 for name in threads):
+        assert time.monotonic() < deadline, "streams did not start"
+        time.sleep(0.05)
+    # The short one: 3 tokens more than it has when the drain begins, so it finishes within the grace period.
+    short = threading.Thread(target=run, args=("short", "grpc", 8))
+    short.start()
+    while len(streams.get("short", [])) < 5:
+        assert time.monotonic() < deadline, "short stream did not start"
+        time.sleep(0.02)
+
+    sigterm = time.monotonic()
+    launcher.process.send_signal(signal.SIGTERM)
+    while requests.get(f"{launcher.http_url}/v2/health/ready").status_code == 200:
+        assert time.monotonic() - sigterm < 5, "still ready after SIGTERM"
+        time.sleep(0.05)
+    not_ready = time.monotonic() - sigterm
+    start = time.monotonic()
+    refused = requests.post(f"{launcher.http_url}/v2/models/llm/generate", json={"text_input": "hi", "max_tokens": 4})
+    refused_in = time.monotonic() - start
+    assert refused.status_code in (400, 404, 503) and refused.json()["error"], refused.text
+
+    for t in [*threads.values(), short]:
+        t.join(GRACE_S + 30)
+    status = launcher.process.wait(60)
+    stopped = time.monotonic() - sigterm
+    finals = {name: (ds[-1].finish_reason, ds[-1].num_output_tokens) for name, ds in streams.items()}
+    print(f"not ready after {not_ready:.2f} s; new request refused in {refused_in * 1000:.0f} ms "
+          f"({refused.status_code}: {refused.json()['error']}); launcher exited {status} after {stopped:.1f} s; "
+          f"finals {finals}")
+    assert not errors, errors
+    assert finals["short"] == ("length", 8)
+    assert all(finals[name][0] == "abort" and 0 < finals[name][1] < 2000 for name in ("http1", "http2", "grpc"))
+    assert all(sum(len(d.token_ids) for d in streams[name]) == finals[name][1] for name in finals)
+    assert refused_in < 0.5
+    assert status == 0  # the launcher exits 0 only if tritonserver did
+    assert GRACE_S <= stopped < GRACE_S + 20
+    log = launcher.log()
+    assert "Signal (11)" not in log and "Exit timeout expired" not in log and "forward pass failed" not in log
+    assert not [p.pid for p in stubs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_stub_fails_requests_fast_and_the_launcher_reloads_the_model(launcher):
+    """SIGKILL of the model's stub: a request fails at once (Triton 2.51: ``Stub process ... is not healthy``)
+    instead of hanging, and the launcher notices and reloads the model, which serves again. (A request in
+    flight when the reload's unload begins may wait for the reload: Triton 2.51.)"""
+    client = LLMClient(launcher.grpc_url, launcher.http_url)
+    assert client.generate("Hello", max_tokens=4).num_output_tokens == 4
+    (stub,) = [p for p in tritonserver_of(launcher).children() if p.name() == STUB_NAME]
+    stub.kill()
+    killed = time.monotonic()
+    start = time.monotonic()
+    with pytest.raises(LLMError, match="is not healthy"):
+        client.generate("Hello", max_tokens=4)
+    first_failure = time.monotonic() - start
+    failures, slowest = [], 0.0
+    while True:
+        assert time.monotonic() - killed < 240, f"not serving again; failures: {failures[-3:]}"
+        start = time.monotonic()
+        try:
+            out = client.generate("Hello", max_tokens=4)
+            break
+        except LLMError as exc:
+            failures.append(str(exc))
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.2)
+    recovered = time.monotonic() - killed
+    print(f"first request after the kill failed in {first_failure:.2f} s; then {len(failures)} more failed "
+          f"(slowest {slowest:.2f} s, last {failures[-1:]}); serving again {recovered:.1f} s after the kill")
+    assert out.num_output_tokens == 4
+    assert first_failure < 5
+    (new_stub,) = [p for p in tritonserver_of(launcher).children()
+                   if p.name() == STUB_NAME and p.status() != psutil.STATUS_ZOMBIE]
+    assert new_stub.pid != stub.pid
+    assert "reloading the model" in launcher.log()
