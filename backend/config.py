@@ -40,6 +40,9 @@ class EngineConfig:
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
+        model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
+            at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
+            processor: for benchmarks of the serving path only, never for serving.
     """
 
     model: str | None = None
@@ -58,6 +61,7 @@ class EngineConfig:
     max_num_waiting_tokens: int = 1 << 20
     model_impl: str = "auto"
     cpu_threads_bind: str = "auto"
+    model_runner: str = "default"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
@@ -68,6 +72,8 @@ class EngineConfig:
             parse_cpu_list(self.cpu_threads_bind)
         if self.model_impl not in ("auto", "transformers"):
             raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
+        if self.model_runner not in ("default", "zero_cost"):
+            raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
                      "max_num_waiting_tokens"):
             _require_positive_int(name, getattr(self, name))
