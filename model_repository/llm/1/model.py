@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 import kernels.cpu
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput
+from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
 from serve.health import HealthMonitor
 from serve.logprobs import vllm_logprobs
@@ -43,6 +45,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_REFRESH_S = 0.25
 ORPHAN_CHECK_S = 0.5
 CANCEL_SWEEP_S = 0.05
+GIL_SWITCH_INTERVAL_S = 0.001
+MAX_CANCEL_CHECKS_PER_S = 2000  # is_cancelled() round trips; past it the sweeps space out (1024 in flight: 0.5 s)
+METRICS_MIN_INTERVAL_S = 0.05  # metrics are published at most this often while responses flow
+MAX_SEND_BATCH = 4096  # deltas taken off the queue at once (then merged per completion)
 INLINE_TOKENIZE_BYTES = 64 * 1024  # longer prompts (up to engine.max_prompt_bytes) are tokenized on llm-intake
 
 
@@ -71,12 +77,18 @@ class TritonPythonModel:
         self.health = HealthMonitor(self.engine, pb_utils, args["model_name"])
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
         self.inflight: dict[str, _InFlight] = {}
-        # Held while asking a sender is_cancelled() and while sending a FINAL: Triton frees a response
-        # sender's factory after its FINAL, and asking it then reads freed memory (a server crash).
+        self.num_responses = 0  # sent by the sender thread (metrics: llm_responses_total)
+        # Held around every response sent and every is_cancelled(): Triton frees a response sender's factory
+        # after its FINAL, and asking it then reads freed memory (a server crash); and a send overlapping an
+        # is_cancelled() of another thread was seen to hang both for good (tritonserver 2.51, 1024 streams).
         self.senders_lock = threading.Lock()
         self.server_pid = os.getppid()
         self.stopping = threading.Event()
         self.intake: queue.Queue = queue.Queue()
+        # The engine loop holds the GIL while it steps (all Python but the forward pass); every IPC call of
+        # the other threads (a response, is_cancelled(), a metric) gives it up and then waits for the loop to
+        # hand it back, up to the switch interval (5 ms by default): at most ~200 such calls per second.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.engine.start()
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self.sender_thread.start()
@@ -177,7 +189,7 @@ class TritonPythonModel:
         ``is_cancelled()`` is a round trip to the server). The engine takes aborts before it schedules, so a
         request cancelled while waiting is dropped without being admitted. A request is aborted again on
         each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
-        while not self.stopping.wait(CANCEL_SWEEP_S):
+        while not self.stopping.wait(max(CANCEL_SWEEP_S, len(self.inflight) / MAX_CANCEL_CHECKS_PER_S)):
             try:
                 for request_id in list(self.inflight):
                     with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
@@ -198,27 +210,48 @@ class TritonPythonModel:
         os._exit(1)
 
     def _send_loop(self) -> None:
+        """Sends what the engine produced: everything queued is taken at once and each completion's deltas
+        are merged into one response (``backend.outputs.coalesce``), so when the engine runs ahead of the
+        server a response carries several tokens instead of the sends falling behind. Metrics are published
+        at most every ``METRICS_MIN_INTERVAL_S`` while busy (each write is an IPC round trip) and when idle."""
+        metrics_due: float | None = None  # when unpublished changes must go out
         while True:
+            timeout = METRICS_REFRESH_S if metrics_due is None else max(0.0, metrics_due - time.monotonic())
             try:
-                out = self.outputs.get(timeout=METRICS_REFRESH_S)
+                batch = [self.outputs.get(timeout=timeout)]
             except queue.Empty:
-                self.metrics.update(self.engine.stats())
+                self.metrics.update(self.engine.stats(), self.num_responses)
+                metrics_due = None
                 self.health.check()
                 continue
-            if out is None:
-                return
-            try:
-                with self.senders_lock:
+            while len(batch) < MAX_SEND_BATCH:
+                try:
+                    batch.append(self.outputs.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in batch
+            for out in coalesce([out for out in batch if out is not None]):
+                try:
                     self._send(out)
-            except Exception:
-                log.exception("sending a response failed")
-            if out.finished or self.outputs.empty():
-                self.metrics.update(self.engine.stats())
+                except Exception:
+                    log.exception("sending a response failed")
+            if stopping:
+                return
+            now = time.monotonic()
+            if metrics_due is None:
+                metrics_due = now + METRICS_MIN_INTERVAL_S
+            if now >= metrics_due:
+                self.metrics.update(self.engine.stats(), self.num_responses)
+                metrics_due = None
 
     def _send(self, out: RequestOutput) -> None:
-        state = self.inflight.get(out.request_id)
-        if state is None:
-            return
+        """Sends one (possibly merged) delta, under ``senders_lock``."""
+        with self.senders_lock:
+            state = self.inflight.get(out.request_id)
+            if state is not None:
+                self._send_delta(state, out)
+
+    def _send_delta(self, state: _InFlight, out: RequestOutput) -> None:
         if out.done:
             del self.inflight[out.request_id]
         if out.metrics is not None:
@@ -240,6 +273,7 @@ class TritonPythonModel:
                     extra = [*_log_prob_tensors(new_log_probs, [sum(log_probs)]),
                              self._vllm_logprobs([out.logprobs or []])]
                 state.sender.send(_response([out.text], out.token_ids, [out], extra), flags=flags)
+                self.num_responses += 1
             return
         state.text.setdefault(out.index, []).append(out.text)
         state.token_ids.setdefault(out.index, []).extend(out.token_ids)
@@ -257,6 +291,7 @@ class TritonPythonModel:
                 extra = [*_log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index]),
                          self._vllm_logprobs([state.top_log_probs.get(i, []) for i in order])]
             state.sender.send(_response(texts, ids, [state.finished[i] for i in order], extra), flags=FINAL)
+            self.num_responses += 1
 
     def _vllm_logprobs(self, per_completion: list[list]):
         """The ``logprobs`` output (vLLM backend's JSON form), one string per completion."""
