@@ -81,7 +81,8 @@ def start_zero_cost_server(workdir: Path, max_num_seqs: int, max_tokens: int):
     policy = "version_policy: { all: {} }"
     if policy not in config.read_text():
         raise RuntimeError(f"{config} has no {policy!r} line to narrow to version {MODEL_VERSION}")
-    config.write_text(config.read_text().replace(policy, f"version_policy: {{ specific: {{ versions: [{MODEL_VERSION}] }} }}"))
+    only = f"version_policy: {{ specific: {{ versions: [{MODEL_VERSION}] }} }}"
+    config.write_text(config.read_text().replace(policy, only))
     return start_server(workdir / "tritonserver.log", model_repository=repository)
 
 
@@ -161,8 +162,9 @@ async def _client_main(url: str, streams: int, max_tokens: int, cycle: list[int]
             done.set()
         want = [cycle[(num_input + k) % len(cycle)] for k in range(max_tokens)]
         if ids != want or reason != b"length":
+            first = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
             counts["errors"].append(f"got {len(ids)} tokens (finish {reason!r}), want {max_tokens} in the "
-                                    f"zero-cost order: first differing at {next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))}")
+                                    f"zero-cost order: first differing at {first}")
         counts["requests"] += 1
 
     async def stream() -> None:
@@ -179,7 +181,8 @@ async def _client_main(url: str, streams: int, max_tokens: int, cycle: list[int]
     await asyncio.gather(*(stream() for _ in range(streams)))
     counts["cpu"] = await cpu_end - await cpu_start
     await client.close()
-    counts["errors"] = counts["errors"][:5] + ([f"... {len(counts['errors']) - 5} more"] if len(counts["errors"]) > 5 else [])
+    if len(counts["errors"]) > 5:
+        counts["errors"] = counts["errors"][:5] + [f"... {len(counts['errors']) - 5} more"]
     return counts
 
 

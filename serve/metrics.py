@@ -84,7 +84,8 @@ class EngineMetrics:
         # Where the serving path's time goes (benchmarks.serving_path reads them): engine steps, responses
         # sent, and the CPU time of the engine loop and of each adapter thread.
         self.steps = counter("llm_engine_steps_total", "Engine steps that computed something")
-        self.responses = counter("llm_responses_total", "Responses sent to clients (a response may carry several tokens)")
+        self.responses = counter("llm_responses_total",
+                                 "Responses sent to clients (a response may carry several tokens)")
         cpu = family("llm_thread_cpu_seconds_total", "CPU seconds used by the engine loop and the adapter's threads",
                      family.COUNTER)
         self.thread_cpu = {name: cpu.Metric(labels={**labels, "thread": name}) for name in THREADS}

@@ -6,10 +6,11 @@ response sender. Every request gets exactly one response flagged FINAL, however 
 
 Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tokenizing of prompts up to
 ``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
-``llm-sender`` (responses, metrics), ``llm-cancel`` (asks each sender ``is_cancelled()`` every
-``CANCEL_SWEEP_S`` and aborts those requests in the engine, which drops a waiting one before it can be
-scheduled), ``llm-watchdog``. The engine loop never calls back into this module. The sender thread also
-checks the engine's health when idle (``serve.health``: a dead engine unloads the model).
+``llm-sender`` (responses, a completion's queued deltas merged into one; metrics), ``llm-cancel`` (asks each
+sender ``is_cancelled()`` every ``CANCEL_SWEEP_S``, or less often past ``MAX_CANCEL_CHECKS_PER_S``, and aborts
+those requests in the engine, which drops a waiting one before it can be scheduled), ``llm-watchdog``. The
+engine loop never calls back into this module. The sender thread also checks the engine's health when idle
+(``serve.health``: a dead engine unloads the model).
 
 A request the engine cannot take now (the waiting queue is full, or the engine is dead) gets UNAVAILABLE
 (HTTP 503 on the generate endpoints); bad input gets INVALID_ARG (HTTP 400).
@@ -186,9 +187,10 @@ class TritonPythonModel:
 
     def _cancel_loop(self) -> None:
         """Cancelled or disconnected requests are aborted: every ``CANCEL_SWEEP_S``, on this thread (each
-        ``is_cancelled()`` is a round trip to the server). The engine takes aborts before it schedules, so a
-        request cancelled while waiting is dropped without being admitted. A request is aborted again on
-        each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
+        ``is_cancelled()`` is a round trip to the server, so with many requests in flight the sweeps are
+        spaced to ask at most ``MAX_CANCEL_CHECKS_PER_S`` times a second). The engine takes aborts before it
+        schedules, so a request cancelled while waiting is dropped without being admitted. A request is
+        aborted again on each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
         while not self.stopping.wait(max(CANCEL_SWEEP_S, len(self.inflight) / MAX_CANCEL_CHECKS_PER_S)):
             try:
                 for request_id in list(self.inflight):
