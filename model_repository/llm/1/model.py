@@ -49,7 +49,7 @@ CANCEL_SWEEP_S = 0.05
 GIL_SWITCH_INTERVAL_S = 0.001
 MAX_CANCEL_CHECKS_PER_S = 2000  # is_cancelled() round trips; past it the sweeps space out (1024 in flight: 0.5 s)
 METRICS_MIN_INTERVAL_S = 0.05  # metrics are published at most this often while responses flow
-MAX_SEND_BATCH = 4096  # deltas taken off the queue at once (then merged per completion)
+MAX_SEND_BATCH = 1 << 20  # deltas taken off the queue at once, then merged per completion: all there are
 INLINE_TOKENIZE_BYTES = 64 * 1024  # longer prompts (up to engine.max_prompt_bytes) are tokenized on llm-intake
 
 
