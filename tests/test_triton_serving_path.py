@@ -11,17 +11,14 @@ import asyncio
 import json
 import time
 import uuid
-from pathlib import Path
-
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
 from backend.zero_cost_runner import zero_cost_token
-from triton_server import start_server, stop_server
+from triton_server import single_version_repository, start_server, stop_server
 
 pytestmark = pytest.mark.server
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"model_runner": "zero_cost", "max_num_seqs": 64, "num_blocks": 20000, "max_model_len": 4096}
 NUM_STREAMS = 48
 
@@ -29,13 +26,8 @@ NUM_STREAMS = 48
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("serving-path")
-    model = root / "models" / "llm"
-    (model / "1").mkdir(parents=True)
-    config = (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
-    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
-    (model / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / "llm" / "1" / "model.py")
-    (model / "1" / "engine.json").write_text(json.dumps(SETTINGS))
-    server = start_server(root / "tritonserver.log", model_repository=root / "models")
+    repository = single_version_repository(root / "models", SETTINGS)
+    server = start_server(root / "tritonserver.log", model_repository=repository)
     yield server
     stop_server(server)
 

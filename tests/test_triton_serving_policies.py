@@ -11,34 +11,26 @@ here, with the message checked.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 
 from backend.fault_injection import ENV_VAR
 from client import LLMClient, LLMError
-from triton_server import start_server, stop_server
+from triton_server import single_version_repository, start_server, stop_server
 
 pytestmark = pytest.mark.server
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"max_num_seqs": 2, "max_num_waiting_requests": 4, "num_blocks": 512, "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("policies")
-    model = root / "models" / "llm"
-    (model / "1").mkdir(parents=True)
-    config = (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
-    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
-    (model / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / "llm" / "1" / "model.py")
-    (model / "1" / "engine.json").write_text(json.dumps(SETTINGS))
-    server = start_server(root / "tritonserver.log", model_repository=root / "models",
+    repository = single_version_repository(root / "models", SETTINGS)
+    server = start_server(root / "tritonserver.log", model_repository=repository,
                           env={ENV_VAR: str(root / "fault")}, extra_args=["--exit-timeout-secs=5"])
     server.fault = root / "fault"
     yield server

@@ -66,6 +66,18 @@ def copy_repository(target: Path, version_settings: dict[str, dict]) -> Path:
     return target
 
 
+def single_version_repository(root: Path, settings: dict) -> Path:
+    """A model repository at ``root`` serving the project's ``llm`` model as its only version (1, its
+    ``model.py`` linked), with ``settings`` as that version's ``engine.json``; returns ``root``."""
+    model = root / "llm"
+    (model / "1").mkdir(parents=True)
+    config = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
+    (model / "1" / "model.py").symlink_to(DEFAULT_MODEL_REPOSITORY / "llm" / "1" / "model.py")
+    (model / "1" / "engine.json").write_text(json.dumps(settings))
+    return root
+
+
 def start_server(log_path: Path, extra_args: list[str] | None = None, model_repository: Path | None = None,
                  env: dict[str, str] | None = None) -> TritonServer:
     """Starts tritonserver on ``model_repository`` (default: the project's), with ``env`` added to the
