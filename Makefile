@@ -14,7 +14,7 @@ LOADTEST_ARGS ?=
 SOAK_TIME ?= 30m
 SOAK_USERS ?= 64
 
-.PHONY: install serve test test-fast bench bench-peers loadtest soak clean
+.PHONY: install serve test test-fast bench bench-peers bench-serving-path loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ bench: install
 # Ours against vLLM's CPU build on the same workload (vLLM gets a venv of its own, .venv-vllm, on first use).
 bench-peers: install
 	$(BIN)/python -m benchmarks --systems engine,vllm $(BENCH_ARGS)
+
+# The serving path alone (zero-cost model through tritonserver at 1/64/256/1024 streams): README "Serving path".
+bench-serving-path: install
+	$(BIN)/python -m benchmarks.serving_path $(BENCH_ARGS)
 
 loadtest: install
 	$(BIN)/python -m loadtest --host http://localhost:$(HTTP_PORT) --grpc-host localhost:$(GRPC_PORT) \

@@ -47,6 +47,9 @@ class EngineConfig:
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
+        model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
+            at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
+            processor: for benchmarks of the serving path only, never for serving.
     """
 
     model: str | None = None
@@ -68,6 +71,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    model_runner: str = "default"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
@@ -86,6 +90,8 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
             raise ValueError("KV cache events need enable_prefix_caching (without it no block is ever shared)")
+        if self.model_runner not in ("default", "zero_cost"):
+            raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
                      "max_num_waiting_tokens"):
             _require_positive_int(name, getattr(self, name))

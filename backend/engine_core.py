@@ -33,6 +33,7 @@ from backend.sampler import TokenLogprobs
 from backend.scheduler import Scheduler
 from backend.scheduler_output import SchedulerOutput
 from backend.stats import SchedulerStats
+from backend.zero_cost_runner import ZeroCostModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,12 @@ class EngineCore:
         cpu_threads = None
         if cpu_kernel:  # pinning goes through the CPU kernels' extension
             cpu_threads = plan_binding(config.cpu_threads_bind, torch.get_num_threads())
-        self.model_runner = ModelRunner(model, num_blocks, config.block_size, use_kernels, max_model_len,
-                                        compact=config.model_impl == "auto", cpu_kernel=cpu_kernel,
-                                        cpu_threads=cpu_threads)
+        if config.model_runner == "zero_cost":  # benchmarks of everything but the forward pass
+            self.model_runner = ZeroCostModelRunner(model.config.vocab_size)
+        else:
+            self.model_runner = ModelRunner(model, num_blocks, config.block_size, use_kernels, max_model_len,
+                                            compact=config.model_impl == "auto", cpu_kernel=cpu_kernel,
+                                            cpu_threads=cpu_threads)
         self._cond = threading.Condition()
         self._new: list[Request] = []
         self._aborts: list[str] = []

@@ -136,8 +136,12 @@ class KVCacheManager:
         Returns:
             False, with nothing changed, when the pool has too few free blocks.
         """
-        computed_blocks = computed_blocks or []
         table = self.block_tables.get(request.request_id, [])
+        if (table and not computed_blocks and self.sliding_window is None
+                and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size):
+            self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)  # fits: most decodes
+            return True
+        computed_blocks = computed_blocks or []
         first = request.num_computed_tokens + len(computed_blocks) * self.block_size
         behind = self._blocks_behind_window(first)
         # Prefix-cache hits behind the window are not needed: left free, their entries null.

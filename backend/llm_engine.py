@@ -98,7 +98,8 @@ class LLMEngine:
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
         on_cuda = model.device.type == "cuda"
         use_kernels = config.use_kernels if config.use_kernels is not None else on_cuda
-        cpu_kernel = config.use_kernels is None and not on_cuda and _cpu_kernels_available()
+        cpu_kernel = (config.use_kernels is None and not on_cuda and config.model_runner == "default"
+                      and _cpu_kernels_available())
         self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel,
                                       sliding_window=self.model_attention.uniform_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backend.sampler import TokenLogprobs
 
@@ -66,3 +66,32 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def coalesce(deltas: list[RequestOutput]) -> list[RequestOutput]:
+    """Merges the deltas of each completion in ``deltas`` (in the order they were produced) into one, for a
+    consumer that fell behind the engine: tokens, text and logprobs concatenated, everything else (finish
+    reason, counts, metrics, ``done``) from the latest. vLLM v1 merges queued deltas the same way when the
+    consumer is behind (``RequestOutputCollector``).
+
+    A delta with finish_reason ``error`` is never merged into (the tokens before it are sent before the
+    error). The result is ordered by each merged delta's latest part, so a request's ``done`` delta stays
+    after its other completions' deltas.
+
+    Returns:
+        New :class:`RequestOutput` objects where merged; the inputs are not modified.
+    """
+    merged: dict[tuple, RequestOutput] = {}
+    for out in deltas:
+        key = (out.request_id, out.index)
+        earlier = merged.pop(key, None)
+        if earlier is not None and out.finish_reason == "error":
+            merged[key] = earlier
+            key = (*key, "error")
+        elif earlier is not None:
+            logprobs = None if earlier.logprobs is None and out.logprobs is None else [
+                *(earlier.logprobs or []), *(out.logprobs or [])]
+            out = replace(out, token_ids=earlier.token_ids + out.token_ids, text=earlier.text + out.text,
+                          logprobs=logprobs)
+        merged[key] = out  # (re)inserted last: dicts keep insertion order
+    return list(merged.values())

@@ -11,6 +11,9 @@ vLLM names are published too (``vllm:num_requests_waiting``, ``vllm:num_requests
 
 from __future__ import annotations
 
+import threading
+import time
+
 from backend import EngineStats, RequestMetrics
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
@@ -37,6 +40,22 @@ def pop_metric_settings(settings: dict) -> dict:
             else:
                 raise ValueError(f"setting {key} must be true or false, got {raw!r}")
     return options
+
+
+THREADS = ("llm-engine-loop", "llm-sender", "llm-cancel", "llm-intake")  # whose CPU time is published
+
+
+def thread_cpu_seconds(names: tuple[str, ...] = THREADS) -> dict[str, float]:
+    """CPU seconds used so far by each live thread of this process named in ``names`` (Linux thread CPU
+    clocks; a name with no live thread is left out)."""
+    found = {}
+    for thread in threading.enumerate():
+        if thread.name in names and thread.ident is not None:
+            try:
+                found[thread.name] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # the thread just ended, or no thread CPU clocks here
+                pass
+    return found
 
 
 class EngineMetrics:
@@ -107,11 +126,32 @@ class EngineMetrics:
                                                family.GAUGE)
             self._cache_config = None  # set once the pool's size is known (the first update)
             self._vllm_labels = vllm_labels
+        # Where the serving path's time goes (benchmarks.serving_path reads them): engine steps, responses
+        # sent, and the CPU time of the engine loop and of each adapter thread.
+        self.steps = counter("llm_engine_steps_total", "Engine steps that computed something")
+        self.responses = counter("llm_responses_total",
+                                 "Responses sent to clients (a response may carry several tokens)")
+        cpu = family("llm_thread_cpu_seconds_total", "CPU seconds used by the engine loop and the adapter's threads",
+                     family.COUNTER)
+        self.thread_cpu = {name: cpu.Metric(labels={**labels, "thread": name}) for name in THREADS}
+        self._last_cpu: dict[str, float] = {}
+        self._last_responses = 0
         self._last: EngineStats | None = None
 
-    def update(self, stats: EngineStats) -> None:
+    def update(self, stats: EngineStats, num_responses: int = 0) -> None:
         """Publishes what changed since the last call; nothing at all when idle (every metric write is an IPC
-        round trip to the server, and a stub blocked in one cannot exit if the server dies)."""
+        round trip to the server, and a stub blocked in one cannot exit if the server dies).
+
+        Args:
+            num_responses: responses sent since start (a total, like the engine's counters).
+        """
+        if stats == self._last and num_responses == self._last_responses:
+            return
+        self.responses.increment(num_responses - self._last_responses)
+        self._last_responses = num_responses
+        for name, seconds in thread_cpu_seconds().items():
+            self.thread_cpu[name].increment(seconds - self._last_cpu.get(name, 0.0))
+            self._last_cpu[name] = seconds
         if stats == self._last:
             return
         kv = stats.kv
@@ -125,6 +165,7 @@ class EngineMetrics:
         self.prompt_tokens.increment(stats.prompt_tokens - (last.prompt_tokens if last else 0))
         self.generation_tokens.increment(stats.generation_tokens - (last.generation_tokens if last else 0))
         self.preemptions.increment(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self.steps.increment(stats.num_steps - (last.num_steps if last else 0))
         self.rejected.increment(stats.num_rejected - (last.num_rejected if last else 0))
         self.prefix_queries.increment(kv.prefix_cache_queries - (last.kv.prefix_cache_queries if last else 0))
         self.prefix_hits.increment(kv.prefix_cache_hits - (last.kv.prefix_cache_hits if last else 0))

@@ -6,12 +6,12 @@ response sender. Every request gets exactly one response flagged FINAL, however 
 
 Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tokenizing of prompts up to
 ``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
-``llm-sender`` (responses, metrics), ``llm-cancel`` (asks each sender ``is_cancelled()`` every
-``CANCEL_SWEEP_S`` and aborts those requests in the engine, which drops a waiting one before it can be
-scheduled), ``llm-drain`` (``serve.drain``: once the model is being unloaded, refuses new requests and
-aborts those still in flight after ``drain_grace_s``), ``llm-watchdog``. The engine loop never calls back
-into this module. The sender thread also checks the engine's health when idle (``serve.health``: a dead
-engine unloads the model).
+``llm-sender`` (responses, a completion's queued deltas merged into one; metrics), ``llm-cancel`` (asks each
+sender ``is_cancelled()`` every ``CANCEL_SWEEP_S``, or less often past ``MAX_CANCEL_CHECKS_PER_S``, and aborts
+those requests in the engine, which drops a waiting one before it can be scheduled), ``llm-drain``
+(``serve.drain``: once the model is being unloaded, refuses new requests and aborts those still in flight after
+``drain_grace_s``), ``llm-watchdog``. The engine loop never calls back into this module. The sender thread also
+checks the engine's health when idle (``serve.health``: a dead engine unloads the model).
 
 A request the engine cannot take now (the waiting queue is full, or the engine is dead) gets UNAVAILABLE
 (HTTP 503 on the generate endpoints); bad input gets INVALID_ARG (HTTP 400).
@@ -34,6 +34,7 @@ import triton_python_backend_utils as pb_utils
 
 import kernels.cpu
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput
+from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
 from serve.drain import DrainMonitor, pop_grace
 from serve.health import HealthMonitor
@@ -46,6 +47,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_REFRESH_S = 0.25
 ORPHAN_CHECK_S = 0.5
 CANCEL_SWEEP_S = 0.05
+MAX_CANCEL_CHECKS_PER_S = 2000  # is_cancelled() round trips; past it the sweeps space out (1024 in flight: 0.5 s)
+METRICS_MIN_INTERVAL_S = 0.05  # metrics are published at most this often while responses flow
+MAX_SEND_BATCH = 1 << 20  # deltas taken off the queue at once, then merged per completion: all there are
 INLINE_TOKENIZE_BYTES = 64 * 1024  # longer prompts (up to engine.max_prompt_bytes) are tokenized on llm-intake
 
 
@@ -78,8 +82,10 @@ class TritonPythonModel:
         self.drain = DrainMonitor(self.engine, pb_utils, args["model_name"], args["model_version"], drain_grace_s)
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
         self.inflight: dict[str, _InFlight] = {}
-        # Held while asking a sender is_cancelled() and while sending a FINAL: Triton frees a response
-        # sender's factory after its FINAL, and asking it then reads freed memory (a server crash).
+        self.num_responses = 0  # sent by the sender thread (metrics: llm_responses_total)
+        # Held around every response sent and every is_cancelled(): Triton frees a response sender's factory
+        # after its FINAL, and asking it then reads freed memory (a server crash); and a send overlapping an
+        # is_cancelled() of another thread was seen to hang both for good (tritonserver 2.51, 1024 streams).
         self.senders_lock = threading.Lock()
         self.server_pid = os.getppid()
         self.stopping = threading.Event()
@@ -185,10 +191,11 @@ class TritonPythonModel:
 
     def _cancel_loop(self) -> None:
         """Cancelled or disconnected requests are aborted: every ``CANCEL_SWEEP_S``, on this thread (each
-        ``is_cancelled()`` is a round trip to the server). The engine takes aborts before it schedules, so a
-        request cancelled while waiting is dropped without being admitted. A request is aborted again on
-        each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
-        while not self.stopping.wait(CANCEL_SWEEP_S):
+        ``is_cancelled()`` is a round trip to the server, so with many requests in flight the sweeps are
+        spaced to ask at most ``MAX_CANCEL_CHECKS_PER_S`` times a second). The engine takes aborts before it
+        schedules, so a request cancelled while waiting is dropped without being admitted. A request is
+        aborted again on each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
+        while not self.stopping.wait(max(CANCEL_SWEEP_S, len(self.inflight) / MAX_CANCEL_CHECKS_PER_S)):
             try:
                 for request_id in list(self.inflight):
                     with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
@@ -209,27 +216,48 @@ class TritonPythonModel:
         os._exit(1)
 
     def _send_loop(self) -> None:
+        """Sends what the engine produced: everything queued is taken at once and each completion's deltas
+        are merged into one response (``backend.outputs.coalesce``), so when the engine runs ahead of the
+        server a response carries several tokens instead of the sends falling behind. Metrics are published
+        at most every ``METRICS_MIN_INTERVAL_S`` while busy (each write is an IPC round trip) and when idle."""
+        metrics_due: float | None = None  # when unpublished changes must go out
         while True:
+            timeout = METRICS_REFRESH_S if metrics_due is None else max(0.0, metrics_due - time.monotonic())
             try:
-                out = self.outputs.get(timeout=METRICS_REFRESH_S)
+                batch = [self.outputs.get(timeout=timeout)]
             except queue.Empty:
-                self.metrics.update(self.engine.stats())
+                self.metrics.update(self.engine.stats(), self.num_responses)
+                metrics_due = None
                 self.health.check()
                 continue
-            if out is None:
-                return
-            try:
-                with self.senders_lock:
+            while len(batch) < MAX_SEND_BATCH:
+                try:
+                    batch.append(self.outputs.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in batch
+            for out in coalesce([out for out in batch if out is not None]):
+                try:
                     self._send(out)
-            except Exception:
-                log.exception("sending a response failed")
-            if out.finished or self.outputs.empty():
-                self.metrics.update(self.engine.stats())
+                except Exception:
+                    log.exception("sending a response failed")
+            if stopping:
+                return
+            now = time.monotonic()
+            if metrics_due is None:
+                metrics_due = now + METRICS_MIN_INTERVAL_S
+            if now >= metrics_due:
+                self.metrics.update(self.engine.stats(), self.num_responses)
+                metrics_due = None
 
     def _send(self, out: RequestOutput) -> None:
-        state = self.inflight.get(out.request_id)
-        if state is None:
-            return
+        """Sends one (possibly merged) delta, under ``senders_lock``."""
+        with self.senders_lock:
+            state = self.inflight.get(out.request_id)
+            if state is not None:
+                self._send_delta(state, out)
+
+    def _send_delta(self, state: _InFlight, out: RequestOutput) -> None:
         if out.done:
             del self.inflight[out.request_id]
         if out.metrics is not None:
@@ -252,6 +280,7 @@ class TritonPythonModel:
                              self._vllm_logprobs([out.logprobs or []])]
                 extra += _vllm_outputs(state, [sum(log_probs)], [len(out.token_ids)])
                 state.sender.send(_response([out.text], out.token_ids, [out], extra), flags=flags)
+                self.num_responses += 1
             return
         state.text.setdefault(out.index, []).append(out.text)
         state.token_ids.setdefault(out.index, []).extend(out.token_ids)
@@ -271,6 +300,7 @@ class TritonPythonModel:
             extra += _vllm_outputs(state, [sum(lps) for lps in per_index],
                                    [state.finished[i].num_output_tokens for i in order])
             state.sender.send(_response(texts, ids, [state.finished[i] for i in order], extra), flags=FINAL)
+            self.num_responses += 1
 
     def _vllm_logprobs(self, per_completion: list[list]):
         """The ``logprobs`` output (vLLM backend's JSON form), one string per completion."""
