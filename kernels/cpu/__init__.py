@@ -66,9 +66,11 @@ def _build_or_load():
 
     begin = time.perf_counter()
     source = _translation_unit()
-    # The name carries the hash of the source and flags: checkouts of different versions (or worktrees)
-    # sharing one extensions directory then keep their own builds instead of rebuilding over each other.
-    name = "llm_backend_cpu_kernels_" + hashlib.sha256((source + " ".join(CFLAGS)).encode()).hexdigest()[:12]
+    # The name carries the hash of the source, the flags and the interpreter's prefix (its venv: torch's headers
+    # and paths): checkouts of different versions, or worktrees with venvs of their own, sharing one extensions
+    # directory keep their own builds instead of rebuilding over each other.
+    key = source + " ".join(CFLAGS) + sys.prefix
+    name = "llm_backend_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     build_dir = Path(get_default_build_root()) / f"llm_backend_py{sys.version_info[0]}{sys.version_info[1]}" / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
