@@ -68,7 +68,7 @@ class LLMClient:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         finished = False
         try:
-            client.async_stream_infer(self.model, self._grpc_inputs(prompt, stop, True, sampling),
+            client.async_stream_infer(self.model, self.grpc_inputs(prompt, stop, True, **sampling),
                                       model_version=self.version, request_id=uuid.uuid4().hex,
                                       enable_empty_final_response=True)
             while not finished:
@@ -85,7 +85,12 @@ class LLMClient:
             client.close()
 
     @staticmethod
-    def _grpc_inputs(prompt: str, stop: list[str] | None, stream: bool, sampling: dict) -> list:
+    def grpc_inputs(prompt: str, stop: list[str] | None = None, stream: bool = True, **sampling) -> list:
+        """The request's gRPC inputs (``InferInput``s, usable with ``tritonclient.grpc`` and its ``aio``).
+
+        Raises:
+            ValueError: an unknown sampling option.
+        """
         def tensor(name, array, datatype):
             t = grpcclient.InferInput(name, list(array.shape), datatype)
             t.set_data_from_numpy(array)
