@@ -66,8 +66,11 @@ class TorchAttentionMetadata(AttentionMetadata):
         decode_seq_lens: ``[num_decodes]`` int64, context length including the new token.
         prefills: the multi-token requests, after the decodes.
         workspace: the model runner's reused gather buffers.
-        cpu_kernel: decodes through the C++ kernel of ``kernels/cpu`` (blocks read in place) instead of
-            gather + SDPA.
+        cpu_kernel: decodes and prefills through the C++ kernels of ``kernels/cpu`` (blocks read in place)
+            instead of gather + SDPA.
+        prefill_block_tables / prefill_cu_seqlens / prefill_seq_lens: with ``cpu_kernel``, the prefills for the
+            C++ kernel: ``[num_prefills, max_blocks]``, ``[num_prefills + 1]`` (rows counted from
+            ``num_decodes``), ``[num_prefills]``, int64, contiguous.
     """
 
     num_decodes: int
@@ -77,6 +80,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace
     cpu_kernel: bool = False
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -181,6 +187,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
         out[: meta.num_decodes] = decode_attention(q[: meta.num_decodes], key_cache, value_cache,
                                                    meta.decode_block_tables, meta.decode_mask, scale,
                                                    meta.workspace)
+    if meta.prefills and meta.cpu_kernel:
+        import kernels.cpu
+
+        nd = meta.num_decodes
+        if kernels.cpu.paged_prefill_attention(q[nd:].contiguous(), key_cache, value_cache, meta.prefill_block_tables,
+                                               meta.prefill_cu_seqlens, meta.prefill_seq_lens, scale, out=out[nd:]):
+            return out
     for span in meta.prefills:
         out[span.q_start:span.q_end] = prefill_attention(q[span.q_start:span.q_end], key_cache, value_cache,
                                                          span, scale)

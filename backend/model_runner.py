@@ -151,12 +151,17 @@ class ModelRunner:
                 mask = (torch.arange(seq_len)[None, :] <= torch.arange(start, seq_len)[:, None]).to(device)
             prefills.append(PrefillSpan(int(cu_seqlens[i]), int(cu_seqlens[i + 1]), seq_len,
                                         block_tables[i, :cdiv(seq_len, bs)].to(device), mask))
+        kernel_prefills = {}
+        if self.cpu_kernel and prefills:
+            kernel_prefills = dict(prefill_block_tables=block_tables[num_decodes:].contiguous(),
+                                   prefill_cu_seqlens=cu_seqlens[num_decodes:] - cu_seqlens[num_decodes],
+                                   prefill_seq_lens=seq_lens[num_decodes:].contiguous())
         return TorchAttentionMetadata(
             kv_caches=self.kv_caches, slot_mapping=slot_mapping.to(device), num_decodes=num_decodes,
             decode_block_tables=(decode_tables.contiguous() if self.cpu_kernel else decode_tables).to(device),
             decode_mask=None if decode_mask is None else decode_mask.to(device),
             decode_seq_lens=decode_lens.to(device),
-            prefills=prefills, workspace=self.workspace, cpu_kernel=self.cpu_kernel)
+            prefills=prefills, workspace=self.workspace, cpu_kernel=self.cpu_kernel, **kernel_prefills)
 
 
 def _num_decodes(counts: list[int]) -> int:

@@ -81,3 +81,49 @@ def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int) ->
         want = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values).reshape(NUM_HEADS, head_dim)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i].float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_prefill_kernel_is_causal_over_prefix_and_new_rows_like_the_reference(dtype, head_dim):
+    """kernels/cpu's prefill attention (several sequences in one call) equals a per-sequence causal softmax over
+    scattered blocks: whole prompts, chunks after a cached prefix (rows start past position 0), row counts
+    around the kernel's 16-row blocks, one-row chunks, GQA."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    gen = torch.Generator().manual_seed(7)
+    q_lens, seq_lens = [1, 5, 16, 17, 40, 3, 33], [1, 5, 16, 30, 40, 64, 50]  # seq_len - q_len: cached prefix
+    _, key_cache, value_cache, tables, _, _ = decode_inputs(seq_lens, seed=5, head_dim=head_dim)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    query = torch.randn(sum(q_lens), NUM_HEADS, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    out = torch.full_like(query, float("nan"))
+    assert kernels.cpu.paged_prefill_attention(query, key_cache, value_cache, tables, cu, torch.tensor(seq_lens),
+                                               0.3, out=out)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (n, total) in enumerate(zip(q_lens, seq_lens)):
+        keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:total].float()
+        values = value_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:total].float()
+        q = query[cu[i]:cu[i + 1]].float().view(n, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, head_dim)
+        scores = torch.einsum("rhgd,thd->rhgt", q, keys) * 0.3
+        visible = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]  # [rows, keys]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        want = torch.einsum("rhgt,thd->rhgd", scores.softmax(-1), values).reshape(n, NUM_HEADS, head_dim)
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]].float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_cpu_prefill_kernel_declines_shapes_it_does_not_cover():
+    """Head dims other than 64/128 and fp16 are left to gather + SDPA: the kernel says so and writes nothing."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    for head_dim, dtype in [(8, torch.float32), (64, torch.float16)]:
+        query, key_cache, value_cache, tables, lens, _ = decode_inputs([5, 9], seed=1, head_dim=head_dim)
+        q = query.repeat(7, 1, 1)[:14].to(dtype)  # 5 + 9 rows
+        out = torch.zeros_like(q)
+        assert not kernels.cpu.paged_prefill_attention(q, key_cache.to(dtype), value_cache.to(dtype), tables,
+                                                       torch.tensor([0, 5, 14]), lens, 0.3, out=out)
+        assert not out.any()

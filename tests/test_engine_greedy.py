@@ -151,3 +151,26 @@ def test_compact_decoder_and_transformers_modules_match_solo_generate(model_impl
     assert (engine.model_runner.decoder is None) == (model_impl == "transformers")
     assert engine.model_runner.cpu_kernel == (use_kernels is None)
     check_all(engine, tiny_reference, mixed_prompts(tokenizer, [5, 33, 18], seed=9), 20, f"{model_impl}/{use_kernels}")
+
+
+def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo_generate(
+        monkeypatch, make_engine, tmp_path, tokenizer):
+    """With head_dim 64 the prompt rows take kernels/cpu's prefill kernel (blocks read in place): whole prompts,
+    chunks after a computed prefix (max_num_batched_tokens 20) and prompts whose prefix blocks come from the
+    prefix cache all give solo generate's greedy tokens (fp32)."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    model_dir = build_tiny_model(tmp_path / "tiny-hd64", "llama", tokenizer, head_dim=64)
+    rows = []
+    kernel = kernels.cpu.paged_prefill_attention
+    monkeypatch.setattr(kernels.cpu, "paged_prefill_attention",
+                        lambda q, *args, **kwargs: rows.append(q.shape[0]) or kernel(q, *args, **kwargs))
+    engine = make_engine(model_dir, max_num_batched_tokens=20)
+    reference = ReferenceModel(model_dir)
+    prompts = mixed_prompts(tokenizer, [5, 33, 18, 47], seed=11)
+    check_all(engine, reference, prompts, 12, "hd64")
+    again = check_all(engine, reference, [p + [11, 12, 13] for p in prompts], 8, "hd64 prefix hits")
+    assert sum(rows) > 0
+    assert any(out.num_cached_tokens > 0 for outs in again.values() for out in outs)

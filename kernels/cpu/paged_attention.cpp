@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -159,6 +160,61 @@ template <int D>
 inline vf16 dot_bf16(const bf16*, const bf16*) { return vf16{}; }
 #endif
 
+// One query vector against one tile of `n` (<= 16) keys, updating its running maximum, sum and accumulator
+// (online softmax). `q_raw` / `key_rows[i] + kv_offset`: the query and the keys as stored (bf16 dot products);
+// `qv`: the query in fp32, already scaled; `kt` / `vt`: the tile's keys / values in fp32, 16 x C vectors.
+template <typename T, int D, bool BF16_DOT>
+inline void attend_tile(const T* q_raw, const vf16* qv, const T* const* key_rows, int64_t kv_offset, const vf16* kt,
+                        const vf16* vt, int n, float scale, float& maximum, float& sum, vf16* acc) {
+  constexpr int C = D / 16;
+  alignas(64) float scores[16];
+  vf16 dots[16];
+  for (int i = 0; i < 16; ++i) {
+    vf16 d = vf16{};
+    if constexpr (BF16_DOT) {
+      if (i < n) d = dot_bf16<D>(q_raw, key_rows[i] + kv_offset);
+    } else {
+      if (i < n) for (int c = 0; c < C; ++c) d += qv[c] * kt[i * C + c];
+    }
+    dots[BITREV4[i]] = d;
+  }
+  if constexpr (BF16_DOT) {
+    store_vf16(scores, sum16(dots) * scale);
+  } else {
+    store_vf16(scores, sum16(dots));
+  }
+  float m, tile_sum;
+#if defined(__AVX512F__)
+  {
+    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                        _mm512_load_ps(scores));
+    m = std::max(maximum, _mm512_reduce_max_ps(s));
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+    tile_sum = _mm512_reduce_add_ps(p);
+    _mm512_store_ps(scores, p);
+  }
+#else
+  m = maximum;
+  for (int i = 0; i < n; ++i) m = std::max(m, scores[i]);
+  tile_sum = 0.f;
+  for (int i = 0; i < 16; ++i) {
+    scores[i] = i < n ? exp_nonpositive(scores[i] - m) : 0.f;
+    tile_sum += scores[i];
+  }
+#endif
+  const float alpha = exp_nonpositive(maximum - m);
+  maximum = m;
+  sum = sum * alpha + tile_sum;
+  vf16 a[C];
+  for (int c = 0; c < C; ++c) a[c] = acc[c] * alpha;
+  for (int i = 0; i < n; ++i) {
+    const float p = scores[i];
+    for (int c = 0; c < C; ++c) a[c] += p * vt[i * C + c];
+  }
+  for (int c = 0; c < C; ++c) acc[c] = a[c];
+}
+
 // One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
 // each 16-token tile is read as contiguous rows (the cache interleaves heads per token), which the prefetchers
 // follow; measured 1.5 vs 1.8 ms per layer against one head per task with the cache out of the CPU's caches.
@@ -176,7 +232,6 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
     std::vector<vf16> key_tiles(heads_per_task * 16 * C), value_tiles(heads_per_task * 16 * C);
     std::vector<vf16> qv(max_heads * C), acc(max_heads * C);
     std::vector<float> maxima(max_heads), sums(max_heads);
-    alignas(64) float scores[16];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / splits, first_kv = (task % splits) * heads_per_task;
       const int64_t first_head = first_kv * group, heads = heads_per_task * group;
@@ -213,53 +268,9 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
             for (int c = 0; c < C; ++c) value_tiles[(kh * 16 + i) * C + c] = load_vf16(value_cache + row + kh * D + 16 * c);
         }
         for (int64_t h = 0; h < heads; ++h) {
-          const vf16* kt = key_tiles.data() + (h / group) * 16 * C;
-          const vf16* vt = value_tiles.data() + (h / group) * 16 * C;
-          vf16 dots[16];
-          for (int i = 0; i < 16; ++i) {
-            vf16 d = vf16{};
-            if constexpr (BF16_DOT) {
-              if (i < n) d = dot_bf16<D>(q_raw[h], key_rows[i] + (h / group) * D);
-            } else {
-              if (i < n) for (int c = 0; c < C; ++c) d += qv[h * C + c] * kt[i * C + c];
-            }
-            dots[BITREV4[i]] = d;
-          }
-          if constexpr (BF16_DOT) {
-            store_vf16(scores, sum16(dots) * scale);
-          } else {
-            store_vf16(scores, sum16(dots));
-          }
-          float m, tile_sum;
-#if defined(__AVX512F__)
-          {
-            const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                                _mm512_load_ps(scores));
-            m = std::max(maxima[h], _mm512_reduce_max_ps(s));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-            tile_sum = _mm512_reduce_add_ps(p);
-            _mm512_store_ps(scores, p);
-          }
-#else
-          m = maxima[h];
-          for (int i = 0; i < n; ++i) m = std::max(m, scores[i]);
-          tile_sum = 0.f;
-          for (int i = 0; i < 16; ++i) {
-            scores[i] = i < n ? exp_nonpositive(scores[i] - m) : 0.f;
-            tile_sum += scores[i];
-          }
-#endif
-          const float alpha = exp_nonpositive(maxima[h] - m);
-          maxima[h] = m;
-          sums[h] = sums[h] * alpha + tile_sum;
-          vf16 a[C];
-          for (int c = 0; c < C; ++c) a[c] = acc[h * C + c] * alpha;
-          for (int i = 0; i < n; ++i) {
-            const float p = scores[i];
-            for (int c = 0; c < C; ++c) a[c] += p * vt[i * C + c];
-          }
-          for (int c = 0; c < C; ++c) acc[h * C + c] = a[c];
+          attend_tile<T, D, BF16_DOT>(q_raw[h], qv.data() + h * C, key_rows, (h / group) * D,
+                                      key_tiles.data() + (h / group) * 16 * C, value_tiles.data() + (h / group) * 16 * C,
+                                      n, scale, maxima[h], sums[h], acc.data() + h * C);
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
@@ -271,6 +282,150 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
       }
     }
   });
+}
+
+// Prefill (several query rows per sequence, causal), reading the blocks in place as decode does: one task per
+// (sequence, KV head, `QUERY_ROWS` consecutive query rows); each 16-token tile of keys and values is loaded once,
+// in fp32, for all of the task's rows and query heads (the keys transposed, so that a query's 16 scores come out
+// as one vector with no horizontal sums), and row r (position seq_len - q_len + r) stops at its own position.
+// Queries go by `VECTORS` at a time, their multiply-adds independent: a small register-blocked GEMM per tile.
+constexpr int64_t QUERY_ROWS = 16;
+constexpr int VECTORS = 4;
+
+// Online softmax over one tile for `count` query vectors: scores s[j] (16 lanes, lanes >= n[j] masked) update
+// maxima / sums and become the probabilities p[j]; returns each vector's rescaling of its accumulator in alpha.
+inline void softmax_tile(const vf16* s, const int* n, int count, float* maxima, float* sums, float* p, float* alpha) {
+  for (int j = 0; j < count; ++j) {
+    alignas(64) float row[16];
+    store_vf16(row, s[j]);
+    float m = maxima[j];
+#if defined(__AVX512F__)
+    const __mmask16 valid = static_cast<__mmask16>(n[j] >= 16 ? 0xFFFFu : (1u << n[j]) - 1u);
+    const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                        _mm512_load_ps(row));
+    m = std::max(m, _mm512_reduce_max_ps(x));
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+    _mm512_store_ps(p + 16 * j, e);
+    const float tile_sum = _mm512_reduce_add_ps(e);
+#else
+    for (int i = 0; i < n[j]; ++i) m = std::max(m, row[i]);
+    float tile_sum = 0.f;
+    for (int i = 0; i < 16; ++i) {
+      p[16 * j + i] = i < n[j] ? exp_nonpositive(row[i] - m) : 0.f;
+      tile_sum += p[16 * j + i];
+    }
+#endif
+    alpha[j] = exp_nonpositive(maxima[j] - m);
+    maxima[j] = m;
+    sums[j] = sums[j] * alpha[j] + tile_sum;
+  }
+}
+
+// `count` (<= VECTORS) query vectors q (fp32, scaled, D floats each) against a tile: keys transposed kt[d] (16
+// lanes: the tile's keys), values vt[i * C + c] (rows past the tile's end are zero).
+template <int D>
+inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, const int* n, int count,
+                              float* maxima, float* sums, vf16* acc) {
+  constexpr int C = D / 16;
+  vf16 even[VECTORS] = {}, odd[VECTORS] = {};
+  for (int d = 0; d < D; d += 2) {
+    for (int j = 0; j < VECTORS; ++j) {
+      even[j] += q[j * D + d] * kt[d];
+      odd[j] += q[j * D + d + 1] * kt[d + 1];
+    }
+  }
+  vf16 s[VECTORS];
+  for (int j = 0; j < VECTORS; ++j) s[j] = even[j] + odd[j];
+  alignas(64) float p[VECTORS * 16];
+  float alpha[VECTORS];
+  softmax_tile(s, n, count, maxima, sums, p, alpha);
+  for (int j = count; j < VECTORS; ++j) store_vf16(p + 16 * j, vf16{});
+  vf16 a[VECTORS][C];
+  for (int j = 0; j < VECTORS; ++j)
+    for (int c = 0; c < C; ++c) a[j][c] = j < count ? acc[j * C + c] * alpha[j] : vf16{};
+  int keys = 0;
+  for (int j = 0; j < count; ++j) keys = std::max(keys, n[j]);
+  for (int i = 0; i < keys; ++i)
+    for (int j = 0; j < VECTORS; ++j)
+      for (int c = 0; c < C; ++c) a[j][c] += p[16 * j + i] * vt[i * C + c];
+  for (int j = 0; j < count; ++j)
+    for (int c = 0; c < C; ++c) acc[j * C + c] = a[j][c];
+}
+
+template <typename T, int D>
+void prefill_tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
+                         const int64_t* cu_seqlens, const int64_t* seq_lens, int64_t num_seqs, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int C = D / 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * D;
+  std::vector<int64_t> first_task(num_seqs + 1, 0);  // tasks of sequence p: [first_task[p], first_task[p + 1])
+  for (int64_t p = 0; p < num_seqs; ++p) {
+    const int64_t q_len = cu_seqlens[p + 1] - cu_seqlens[p];
+    first_task[p + 1] = first_task[p] + num_kv_heads * ((q_len + QUERY_ROWS - 1) / QUERY_ROWS);
+  }
+  // Tasks differ in cost (a prompt's last rows see all of it): handed out one at a time, not split in halves.
+  const int64_t num_tasks = first_task[num_seqs];
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks)))
+  {
+    const int64_t max_vectors = QUERY_ROWS * group + VECTORS;  // room for a last, partial block of vectors
+    std::vector<vf16> key_tile(D), value_tile(16 * C), acc(max_vectors * C);
+    std::vector<float> qf(max_vectors * D, 0.f), maxima(max_vectors), sums(max_vectors);
+    std::vector<int> valid(max_vectors);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const int64_t p = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const int64_t q_len = cu_seqlens[p + 1] - cu_seqlens[p], seq_len = seq_lens[p];
+      const int64_t row_blocks = (q_len + QUERY_ROWS - 1) / QUERY_ROWS;
+      const int64_t kv_head = (task - first_task[p]) / row_blocks;
+      const int64_t r0 = (task - first_task[p]) % row_blocks * QUERY_ROWS;
+      const int64_t r1 = std::min(q_len, r0 + QUERY_ROWS), past = seq_len - q_len;
+      const int64_t* table = block_tables + p * max_blocks;
+      const T* q_rows = q + cu_seqlens[p] * num_heads * D;
+      const int64_t vectors = (r1 - r0) * group;  // vector v: row r0 + v / group, query head kv_head * group + v % group
+      for (int64_t v = 0; v < vectors; ++v) {
+        const T* src = q_rows + ((r0 + v / group) * num_heads + kv_head * group + v % group) * D;
+        for (int d = 0; d < D; ++d) qf[v * D + d] = to_float(src[d]) * scale;
+        for (int c = 0; c < C; ++c) acc[v * C + c] = vf16{};
+        maxima[v] = -std::numeric_limits<float>::infinity();
+        sums[v] = 0.f;
+      }
+      const int64_t keys = past + r1;  // the last row's position + 1
+      for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+        const int tile = static_cast<int>(std::min<int64_t>(16, keys - t0));
+        alignas(64) float transposed[D][16];
+        for (int i = 0; i < 16; ++i) {
+          if (i < tile) {
+            const int64_t t = t0 + i;
+            const int64_t row = (table[t / block_size] * block_size + t % block_size) * row_stride + kv_head * D;
+            for (int d = 0; d < D; ++d) transposed[d][i] = to_float(key_cache[row + d]);
+            for (int c = 0; c < C; ++c) value_tile[i * C + c] = load_vf16(value_cache + row + 16 * c);
+          } else {
+            for (int d = 0; d < D; ++d) transposed[d][i] = 0.f;
+            for (int c = 0; c < C; ++c) value_tile[i * C + c] = vf16{};
+          }
+        }
+        for (int d = 0; d < D; ++d) key_tile[d] = load_vf16(transposed[d]);
+        // rows whose position reaches this tile, and how many of its keys each sees
+        const int64_t first_row = std::max(r0, t0 - past);
+        for (int64_t v = (first_row - r0) * group; v < vectors; ++v)
+          valid[v] = static_cast<int>(std::min<int64_t>(tile, past + r0 + v / group - t0 + 1));
+        for (int64_t v = (first_row - r0) * group; v < vectors; v += VECTORS) {
+          const int count = static_cast<int>(std::min<int64_t>(VECTORS, vectors - v));
+          attend_tile_block<D>(qf.data() + v * D, key_tile.data(), value_tile.data(), valid.data() + v, count,
+                               maxima.data() + v, sums.data() + v, acc.data() + v * C);
+        }
+      }
+      T* out_rows = out + cu_seqlens[p] * num_heads * D;
+      for (int64_t v = 0; v < vectors; ++v) {
+        T* dst = out_rows + ((r0 + v / group) * num_heads + kv_head * group + v % group) * D;
+        const float inv = 1.f / sums[v];
+        alignas(64) float tmp[D];
+        for (int c = 0; c < C; ++c) store_vf16(tmp + 16 * c, acc[v * C + c] * inv);
+        for (int d = 0; d < D; ++d) dst[d] = from_float<T>(tmp[d]);
+      }
+    }
+  }
 }
 }  // namespace
 }  // namespace llm_cpu
@@ -320,4 +475,41 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
     llm_cpu::generic_kernel<T>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, head_dim, block_size,
                                max_blocks, s);
   });
+}
+
+// out, q: [rows, num_heads, head_dim], the prefill rows packed (sequence p's rows cu_seqlens[p]..cu_seqlens[p+1]-1);
+// block_tables: [num_seqs, max_blocks] int64; cu_seqlens: [num_seqs + 1] int64; seq_lens: [num_seqs] int64, each
+// sequence's context after this step (its rows are the last positions). Returns false, computing nothing, for
+// shapes the tiled kernel does not cover (head_dim other than 64 / 128, fp16, more than 16 query heads per KV head).
+bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                             torch::Tensor block_tables, torch::Tensor cu_seqlens, torch::Tensor seq_lens,
+                             double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
+              && block_tables.is_contiguous() && cu_seqlens.is_contiguous() && seq_lens.is_contiguous(),
+              "inputs must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && cu_seqlens.scalar_type() == at::kLong
+              && seq_lens.scalar_type() == at::kLong, "block_tables, cu_seqlens and seq_lens must be int64");
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && q.scalar_type() == key_cache.scalar_type()
+              && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "q, out [rows, heads, head_dim] and caches [blocks, block_size, kv_heads, head_dim] of one dtype");
+  const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(cu_seqlens.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "one row per sequence");
+  if (num_heads / num_kv_heads > llm_cpu::MAX_GROUP || (head_dim != 64 && head_dim != 128)) return false;
+  bool handled = false;
+  llm_cpu::dispatch_float_types(q.scalar_type(), "paged_prefill_attention", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, llm_cpu::bf16>) {
+      T* o = reinterpret_cast<T*>(out.data_ptr());
+      const T* qs = reinterpret_cast<const T*>(q.data_ptr());
+      const T* kc = reinterpret_cast<const T*>(key_cache.data_ptr());
+      const T* vc = reinterpret_cast<const T*>(value_cache.data_ptr());
+      const auto run = head_dim == 64 ? llm_cpu::prefill_tile_kernel<T, 64> : llm_cpu::prefill_tile_kernel<T, 128>;
+      run(o, qs, kc, vc, block_tables.data_ptr<int64_t>(), cu_seqlens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+          num_seqs, num_heads, num_kv_heads, block_size, block_tables.size(1), static_cast<float>(scale));
+      handled = true;
+    }
+  });
+  return handled;
 }
