@@ -47,6 +47,9 @@ class EngineConfig:
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
+        stream_interval: a streaming request's deltas are held back until it has this many new tokens (or ends);
+            its first token always goes out at once. 1 (default) sends every token. Larger values trade
+            smoothness for fewer responses, each an IPC round trip through Triton (vLLM's ``--stream-interval``).
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
@@ -68,6 +71,7 @@ class EngineConfig:
     max_num_waiting_tokens: int = 1 << 20
     model_impl: str = "auto"
     cpu_threads_bind: str = "auto"
+    stream_interval: int = 1
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -93,7 +97,7 @@ class EngineConfig:
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
-                     "max_num_waiting_tokens"):
+                     "max_num_waiting_tokens", "stream_interval"):
             _require_positive_int(name, getattr(self, name))
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:

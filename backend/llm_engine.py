@@ -102,7 +102,7 @@ class LLMEngine:
                       and _cpu_kernels_available())
         self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel,
                                       sliding_window=self.model_attention.uniform_sliding_window)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, model.config.vocab_size)
         # The core's parts, for tests and tools that inspect them.
         self.kv_cache_manager = self.engine_core.kv_cache_manager

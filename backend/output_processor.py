@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from backend.detokenizer import IncrementalDetokenizer
-from backend.outputs import RequestMetrics, RequestOutput
+from backend.outputs import RequestMetrics, RequestOutput, coalesce
 from backend.parallel_sampling import ParentRequest
 from backend.request import Request
 from backend.sampler import TokenLogprobs
@@ -29,14 +29,18 @@ class RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
     parent: ParentRequest
+    held: RequestOutput | None = None  # deltas not sent yet (stream_interval), merged
+    sent_tokens: int = 0
 
 
 class OutputProcessor:
     """Builds and delivers deltas. ``add_request`` may be called from any thread; the rest from the engine
-    thread only."""
+    thread only. With ``stream_interval`` N > 1 a completion's deltas after its first are merged until N new
+    tokens have accumulated or it ends (vLLM's ``--stream-interval``)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._lock = threading.Lock()
         self._parents: dict[str, ParentRequest] = {}  # caller's id -> the request, until done
         self._states: dict[str, RequestState] = {}  # engine request id -> its state, until finished
@@ -101,7 +105,7 @@ class OutputProcessor:
         (aborted, failed); the counters are updated at once, the caller puts the deltas on their sinks.
 
         Returns:
-            (sink, delta) pairs, in that order.
+            (sink, delta) pairs, in that order (held-back deltas, see ``stream_interval``, are not among them).
         """
         outputs = []
         for request in with_token:
@@ -109,14 +113,16 @@ class OutputProcessor:
                 self.prompt_tokens += request.num_prompt_tokens
             self.generation_tokens += 1
             token_logprobs = logprobs.get(request.request_id)
-            outputs.append(self._emit(request, [request.token_ids[-1]],
-                                      None if token_logprobs is None else [token_logprobs]))
+            outputs += self._emit(request, [request.token_ids[-1]],
+                                  None if token_logprobs is None else [token_logprobs])
         for request in without_token:
-            outputs.append(self._emit(request, [], None))
+            outputs += self._emit(request, [], None)
         return outputs
 
     def _emit(self, request: Request, token_ids: list[int],
-              logprobs: list[TokenLogprobs] | None) -> tuple[queue.Queue, RequestOutput]:
+              logprobs: list[TokenLogprobs] | None) -> list[tuple[queue.Queue, RequestOutput]]:
+        """This step's delta of ``request`` (none while ``stream_interval`` holds it back; two when an error
+        follows held-back tokens)."""
         state = self._states[request.request_id]
         parent = state.parent
         finished = request.is_finished
@@ -124,6 +130,16 @@ class OutputProcessor:
                             request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
                             logprobs, request.error, index=request.index,
                             num_cached_tokens=request.num_cached_tokens)
+        before = []
+        if self.stream_interval > 1:
+            held, state.held = state.held, None
+            if held is not None:
+                *before, out = coalesce([held, out])  # an error is never merged into: the tokens go first
+            new_tokens = request.num_output_tokens - state.sent_tokens
+            if not finished and state.sent_tokens and new_tokens < self.stream_interval:
+                state.held = out
+                return []
+            state.sent_tokens = request.num_output_tokens
         if finished:
             out.metrics = RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time,
                                          request.num_output_tokens)
@@ -133,4 +149,4 @@ class OutputProcessor:
                 del self._states[request.request_id]
                 if out.done:
                     del self._parents[parent.request_id]
-        return parent.sink, out
+        return [(parent.sink, delta) for delta in [*before, out]]

@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="run every system online on the first N requests only (default 64; quick all; 0 = all)")
     parser.add_argument("--max-num-seqs", type=int, help="our engine's max_num_seqs (default 256)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="our engine's max_num_batched_tokens (default 2048)")
+    parser.add_argument("--stream-interval", type=int,
+                        help="our engine's and server's stream_interval: tokens per streamed delta after the first "
+                             "(default 1)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -39,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "model", "dtype", "threads", "static_batch", "max_num_seqs",
-                  "max_num_batched_tokens", "output_dir"):
+                  "max_num_batched_tokens", "stream_interval", "output_dir"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

@@ -37,6 +37,8 @@ class BenchConfig:
             (bytes) given to our engine and, translated, to transformers' continuous batching; they match the
             server's model ``llm`` version 2 (its KV pool is 20% of free memory, at most 4 GiB: 4 GiB here).
         ceiling_steps: timed decode steps of the forward-only ceiling.
+        stream_interval: our engine's and server's ``stream_interval`` (1: every token streamed on its own;
+            vLLM is run with its default, 1).
         output_dir: where the JSON, markdown and PNGs go.
         progress: show tqdm progress bars.
     """
@@ -62,6 +64,7 @@ class BenchConfig:
     block_size: int = 16
     kv_cache_bytes: int = 4 << 30
     ceiling_steps: int = 16
+    stream_interval: int = 1
     output_dir: str = "results/bench"
     quick: bool = False
     progress: bool = True
@@ -76,7 +79,7 @@ class BenchConfig:
         if not self.systems or not self.modes:
             raise ValueError("choose at least one system and one mode")
         for name in ("num_requests", "threads", "static_batch", "max_num_seqs", "max_num_batched_tokens",
-                     "block_size", "kv_cache_bytes", "ceiling_steps"):
+                     "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not (0 < self.rate < math.inf):

@@ -287,3 +287,36 @@ def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_mode
     assert engine.kv_cache_manager.prefix_cache_queries == queries and engine.stats().num_waiting == 0
     engine.abort("run")
     run_to_completion(engine, {"run": running})
+
+
+def test_stream_interval_sends_the_first_token_then_every_n_and_loses_nothing(engine, tiny_model_dir):
+    """``stream_interval`` 4: the first token alone, then deltas of 4 tokens, the rest with the final one; the
+    tokens, text and logprobs joined are those of the every-token stream; an abort delivers the held tokens."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    want = run_to_completion(engine, {"r": engine.add_request([3, 4, 5, 6], params, request_id="r")})["r"]
+    held = LLMEngine(EngineConfig(model=tiny_model_dir, num_blocks=256, dtype="float32", stream_interval=4))
+    try:
+        got = run_to_completion(held, {"r": held.add_request([3, 4, 5, 6], params, request_id="r")})["r"]
+        assert [len(o.token_ids) for o in got] == [1, 4, 4, 1]
+        assert tokens(got) == tokens(want) and text(got) == text(want)
+        assert [lp.logprob for o in got for lp in o.logprobs] == [lp.logprob for o in want for lp in o.logprobs]
+        assert [o.num_output_tokens for o in got] == [1, 5, 9, 10] and got[-1].finish_reason == "length"
+
+        held_want = tokens(got)
+        sink = held.add_request([3, 4, 5, 6], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                                request_id="a")
+        for _ in range(4):  # prefill + first token, then 3 tokens held back
+            held.step()
+        first = drain(sink)
+        assert [len(o.token_ids) for o in first] == [1]
+        held.abort("a")
+        outs = run_to_completion(held, {"a": sink})["a"]
+        assert outs[-1].finish_reason == "abort" and len(tokens(outs)) == 3  # the held tokens, with the abort
+        assert tokens(first + outs) == held_want[:4] and outs[-1].num_output_tokens == 4
+    finally:
+        held.shutdown()
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
