@@ -191,7 +191,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
         import kernels.cpu
 
         nd = meta.num_decodes
-        if kernels.cpu.paged_prefill_attention(q[nd:].contiguous(), key_cache, value_cache, meta.prefill_block_tables,
+        rows = q[nd:]  # the compact decoder's q is a view of the fused QKV output: rows contiguous, read in place
+        if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
+            rows = rows.contiguous()
+        if kernels.cpu.paged_prefill_attention(rows, key_cache, value_cache, meta.prefill_block_tables,
                                                meta.prefill_cu_seqlens, meta.prefill_seq_lens, scale, out=out[nd:]):
             return out
     for span in meta.prefills:

@@ -97,9 +97,11 @@ def test_cpu_prefill_kernel_is_causal_over_prefix_and_new_rows_like_the_referenc
     q_lens, seq_lens = [1, 5, 16, 17, 40, 3, 33], [1, 5, 16, 30, 40, 64, 50]  # seq_len - q_len: cached prefix
     _, key_cache, value_cache, tables, _, _ = decode_inputs(seq_lens, seed=5, head_dim=head_dim)
     key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
-    query = torch.randn(sum(q_lens), NUM_HEADS, head_dim, generator=gen).to(dtype)
+    # q as the compact decoder has it: a view of the fused QKV output (rows padded by the K and V columns)
+    qkv = torch.randn(sum(q_lens), (NUM_HEADS + 2 * NUM_KV_HEADS) * head_dim, generator=gen).to(dtype)
+    query = qkv[:, :NUM_HEADS * head_dim].view(sum(q_lens), NUM_HEADS, head_dim)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    out = torch.full_like(query, float("nan"))
+    out = torch.full((sum(q_lens), NUM_HEADS, head_dim), float("nan"), dtype=dtype)
     assert kernels.cpu.paged_prefill_attention(query, key_cache, value_cache, tables, cu, torch.tensor(seq_lens),
                                                0.3, out=out)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

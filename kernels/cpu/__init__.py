@@ -126,8 +126,9 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     whose K/V are already in the cache), without gathering the blocks.
 
     Args:
-        q, out: ``[rows, num_heads, head_dim]`` contiguous; sequence ``p``'s rows are
-            ``cu_seqlens[p]..cu_seqlens[p + 1] - 1`` and sit at its last positions.
+        q, out: ``[rows, num_heads, head_dim]``, ``out`` contiguous, ``q`` contiguous within each row (a view of
+            the fused QKV output is fine); sequence ``p``'s rows are ``cu_seqlens[p]..cu_seqlens[p + 1] - 1`` and
+            sit at its last positions.
         block_tables: ``[num_seqs, max_blocks]`` int64; cu_seqlens: ``[num_seqs + 1]`` int64; seq_lens:
             ``[num_seqs]`` int64, each sequence's context length after this step.
 

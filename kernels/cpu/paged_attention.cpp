@@ -354,9 +354,10 @@ inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, co
 }
 
 template <typename T, int D>
-void prefill_tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
-                         const int64_t* cu_seqlens, const int64_t* seq_lens, int64_t num_seqs, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_cache, const T* value_cache,
+                         const int64_t* block_tables, const int64_t* cu_seqlens, const int64_t* seq_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                         int64_t max_blocks, float scale) {
   constexpr int C = D / 16;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * D;
@@ -382,10 +383,10 @@ void prefill_tile_kernel(T* out, const T* q, const T* key_cache, const T* value_
       const int64_t r0 = (task - first_task[p]) % row_blocks * QUERY_ROWS;
       const int64_t r1 = std::min(q_len, r0 + QUERY_ROWS), past = seq_len - q_len;
       const int64_t* table = block_tables + p * max_blocks;
-      const T* q_rows = q + cu_seqlens[p] * num_heads * D;
+      const T* q_rows = q + cu_seqlens[p] * q_row_stride;
       const int64_t vectors = (r1 - r0) * group;  // vector v: row r0 + v / group, query head kv_head * group + v % group
       for (int64_t v = 0; v < vectors; ++v) {
-        const T* src = q_rows + ((r0 + v / group) * num_heads + kv_head * group + v % group) * D;
+        const T* src = q_rows + (r0 + v / group) * q_row_stride + (kv_head * group + v % group) * D;
         for (int d = 0; d < D; ++d) qf[v * D + d] = to_float(src[d]) * scale;
         for (int c = 0; c < C; ++c) acc[v * C + c] = vf16{};
         maxima[v] = -std::numeric_limits<float>::infinity();
@@ -479,13 +480,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
 }
 
 // out, q: [rows, num_heads, head_dim], the prefill rows packed (sequence p's rows cu_seqlens[p]..cu_seqlens[p+1]-1);
+// out contiguous, q with heads and head_dim contiguous in each row (a view of the fused QKV output will do);
 // block_tables: [num_seqs, max_blocks] int64; cu_seqlens: [num_seqs + 1] int64; seq_lens: [num_seqs] int64, each
 // sequence's context after this step (its rows are the last positions). Returns false, computing nothing, for
 // shapes the tiled kernel does not cover (head_dim other than 64 / 128, fp16, more than 16 query heads per KV head).
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                              torch::Tensor block_tables, torch::Tensor cu_seqlens, torch::Tensor seq_lens,
                              double scale) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows: [num_heads, head_dim] contiguous");
+  TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
               && block_tables.is_contiguous() && cu_seqlens.is_contiguous() && seq_lens.is_contiguous(),
               "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && cu_seqlens.scalar_type() == at::kLong
@@ -507,7 +510,7 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
       const T* kc = reinterpret_cast<const T*>(key_cache.data_ptr());
       const T* vc = reinterpret_cast<const T*>(value_cache.data_ptr());
       const auto run = head_dim == 64 ? llm_cpu::prefill_tile_kernel<T, 64> : llm_cpu::prefill_tile_kernel<T, 128>;
-      run(o, qs, kc, vc, block_tables.data_ptr<int64_t>(), cu_seqlens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+      run(o, qs, q.stride(0), kc, vc, block_tables.data_ptr<int64_t>(), cu_seqlens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
           num_seqs, num_heads, num_kv_heads, block_size, block_tables.size(1), static_cast<float>(scale));
       handled = true;
     }
