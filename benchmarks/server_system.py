@@ -6,10 +6,10 @@ asyncio event loop on one channel (``tritonclient.grpc.aio``) rather than a thre
 which cost the server about 5% of its throughput on 2 cores (0.1-0.2 of a core at 256 streams).
 
 The server runs model ``llm`` version 2 of a copy of ``model_repository/`` whose ``2/engine.json`` sets only the
-benchmark's dtype and stream_interval (so that in-process and served runs compute the same thing): otherwise ``config.pbtxt``'s
-settings (max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, KV cache sized from free memory: 20% of
-it, at most 4 GiB) on the default model, with torch's default thread count in its own process. Its running batch is sampled from
-its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
+benchmark's dtype and stream_interval (so that in-process and served runs compute the same thing): otherwise
+``config.pbtxt``'s settings (max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, KV cache sized from
+free memory: 20% of it, at most 4 GiB) on the default model, with torch's default thread count in its own
+process. Its running batch is sampled from its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
 """
 
 from __future__ import annotations
