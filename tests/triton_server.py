@@ -107,14 +107,23 @@ def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[s
 
 
 def _wait_ready(server: TritonServer) -> TritonServer:
+    """Returns once the server reports ready and its metrics endpoint answers: Triton starts the metrics service
+    after the HTTP one (seen 43 ms later), so a test reading metrics at once could be refused."""
     process = server.process
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.is_ready():
+    while not (server.is_ready() and _answers(server.metrics_url)):
         if process.poll() is not None or time.monotonic() > deadline:
             stop_server(server)
             raise RuntimeError(f"tritonserver did not become ready:\n{server.log()[-5000:]}")
         time.sleep(0.5)
     return server
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def stop_server(server: TritonServer) -> None:
