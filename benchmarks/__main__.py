@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--quick] [--num-requests N] [--seed S] [--rate R] [--systems a,b] [--output-dir DIR]``"""
+"""``python -m benchmarks [--quick] [--num-requests N] [--seed S] [--rate R] [--concurrency C] [--systems a,b]
+[--modes m,n] [--output-dir DIR]``"""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--num-requests", type=int, help="requests in the workload (default 256; quick 12)")
     parser.add_argument("--seed", type=int, help="workload seed (default 0)")
     parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 3.0)")
+    parser.add_argument("--concurrency", type=int,
+                        help="requests in flight in the concurrent mode, a closed loop (default 16; quick 4)")
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
-    parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default both)")
+    parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default all)")
     parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights and KV cache of every system (default auto: bf16 where the CPU has it)")
@@ -41,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
-    for field in ("num_requests", "seed", "rate", "model", "dtype", "threads", "static_batch", "max_num_seqs",
+    for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch", "max_num_seqs",
                   "max_num_batched_tokens", "stream_interval", "output_dir"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "vllm", "ceiling", "prefix_cache")
-MODES = ("offline", "online")
+MODES = ("offline", "online", "concurrent")
+# The HF baselines run one request or one batch at a time; a closed loop of N in flight is a serving workload.
+BASELINE_MODES = ("offline", "online")
 
 
 @dataclass
@@ -20,6 +22,9 @@ class BenchConfig:
         num_requests: requests in the workload.
         seed: fixes prompts, output lengths and arrival times.
         rate: online arrival rate, requests per second (Poisson process).
+        concurrency: requests in flight in the ``concurrent`` mode (a closed loop: each request is sent when an
+            earlier one has finished, as a fixed pool of clients would; vLLM's benchmark calls this
+            ``--max-concurrency``).
         systems / modes: which of :data:`SYSTEMS` and :data:`MODES` to run.
         model: a Hugging Face directory; None is the default SmolLM2-135M-Instruct (the server always serves
             the default, so it is skipped for any other model).
@@ -32,7 +37,7 @@ class BenchConfig:
         naive_max_requests / static_max_requests: those baselines run only the first this-many requests (by
             arrival; None = all): their rate does not depend on how many follow (one request, or one batch of
             ``static_batch``, at a time), and all of them would take an hour.
-        online_max_requests: every system runs only the first this-many requests online (None = all).
+        online_max_requests: every system runs only the first this-many requests online and concurrent (None = all).
         max_num_seqs / max_num_batched_tokens / block_size / kv_cache_bytes: the batching limits and KV pool
             (bytes) given to our engine and, translated, to transformers' continuous batching; they match the
             server's model ``llm`` version 2 (its KV pool is 20% of free memory, at most 4 GiB: 4 GiB here).
@@ -46,6 +51,7 @@ class BenchConfig:
     num_requests: int = 256
     seed: int = 0
     rate: float = 1.0
+    concurrency: int = 16
     systems: tuple[str, ...] = SYSTEMS
     modes: tuple[str, ...] = MODES
     model: str | None = None
@@ -79,7 +85,7 @@ class BenchConfig:
         if not self.systems or not self.modes:
             raise ValueError("choose at least one system and one mode")
         for name in ("num_requests", "threads", "static_batch", "max_num_seqs", "max_num_batched_tokens",
-                     "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval"):
+                     "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not (0 < self.rate < math.inf):
@@ -91,7 +97,7 @@ class BenchConfig:
     def max_requests(self, system: str, mode: str) -> int | None:
         """How many requests (the first, by arrival) ``system`` runs in ``mode``; None = all."""
         limits = [{"naive": self.naive_max_requests, "static": self.static_max_requests}.get(system),
-                  self.online_max_requests if mode == "online" else None]
+                  self.online_max_requests if mode != "offline" else None]
         return min((n for n in limits if n), default=None)
 
     def as_dict(self) -> dict:
@@ -100,5 +106,5 @@ class BenchConfig:
 
 # --quick: a small workload with shorter outputs, so the whole run fits in about 3 minutes on 2 cores.
 # The naive baseline runs a subset (its rate is a rate: not extrapolated, the subset is stated); the others all 12.
-QUICK = dict(num_requests=12, rate=3.0, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(48, 96),
+QUICK = dict(num_requests=12, rate=3.0, concurrency=4, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(48, 96),
              naive_max_requests=4, static_max_requests=None, online_max_requests=None, ceiling_steps=6)

@@ -1,5 +1,6 @@
-"""Our engine in process: the loop thread steps while a feeder thread adds requests at their arrival times;
-the caller reads every delta from one shared queue and timestamps it there (what a user of the engine sees).
+"""Our engine in process: the loop thread steps while a feeder thread adds requests at their arrival times (or,
+in the concurrent mode, whenever fewer than ``concurrency`` are in flight); the caller reads every delta from one
+shared queue and timestamps it there (what a user of the engine sees).
 
 The engine's ``step_log`` keeps its stats snapshot after every step: the running batch and the KV pool,
 tokens stored / slots reserved = sum(num_computed_tokens of running requests) / (used_blocks * block_size).
@@ -77,6 +78,7 @@ class EngineSystem:
     def __init__(self, config: BenchConfig) -> None:
         self.engine = LLMEngine(engine_config(config))
         self.progress = config.progress
+        self.concurrency = config.concurrency
         # Warm-up, untimed, on the loop thread as the runs step: a step on this thread would give the process a
         # second OpenMP pool, which makes every barrier sleep (backend.cpu_threads).
         self.engine.start()
@@ -89,16 +91,18 @@ class EngineSystem:
         records = {r.index: RequestRecord(r.index, 0.0, r.output_len) for r in workload.requests}
         first_tokens: dict[int, list[int]] = {r.index: [] for r in workload.requests}
         sink: queue.Queue = queue.Queue()
+        # A slot per request in flight: unbounded except in the closed loop, where the feeder waits for one.
+        slots = threading.Semaphore(self.concurrency if mode == "concurrent" else len(records))
         preempted_before = engine.stats().num_preemptions
         trace = StepTrace(engine)
         engine.start()
         start = time.perf_counter()
-        for rec in records.values():
-            rec.arrival = start + arrivals[rec.index]
 
         def feed() -> None:
             for r in workload.requests:
                 sleep_until(start + arrivals[r.index])
+                slots.acquire()  # closed loop: due once a slot frees, so its latencies count from then
+                records[r.index].arrival = time.perf_counter() if mode == "concurrent" else start + arrivals[r.index]
                 engine.add_request(list(r.prompt_ids), greedy(r.output_len), request_id=str(r.index), sink=sink)
 
         feeder = threading.Thread(target=feed, name="bench-feeder", daemon=True)
@@ -117,6 +121,7 @@ class EngineSystem:
                         raise RuntimeError(f"engine request {out.request_id} ended with {out.finish_reason}: "
                                            f"{out.error}")
                     rec.finish = now
+                    slots.release()
                     done += 1
                     bar.update(1)
         feeder.join()

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from benchmarks.config import BenchConfig
+from benchmarks.config import BASELINE_MODES, BenchConfig
 from benchmarks.records import RequestRecord, SystemRun
 from benchmarks.workload import BenchRequest, Workload, sleep_until
 
@@ -65,6 +65,7 @@ class NaiveSystem(_Generate):
     """One request at a time, in arrival order, each with its own ``max_new_tokens``."""
 
     name = "naive"
+    modes = BASELINE_MODES
 
     def __init__(self, config: BenchConfig, model_dir: str, pad_token_id: int) -> None:
         super().__init__(model_dir, pad_token_id)
@@ -89,6 +90,7 @@ class StaticSystem(_Generate):
     only then is released (every request in it finishes at once), and only then does the next batch start."""
 
     name = "static"
+    modes = BASELINE_MODES
 
     def __init__(self, config: BenchConfig, model_dir: str, pad_token_id: int) -> None:
         super().__init__(model_dir, pad_token_id)

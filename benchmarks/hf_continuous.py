@@ -22,7 +22,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from backend.model_runner import kv_bytes_per_block
-from benchmarks.config import BenchConfig
+from benchmarks.config import BASELINE_MODES, BenchConfig
 from benchmarks.hf_baselines import load_hf_model
 from benchmarks.records import RequestRecord, SystemRun, busy_mean
 from benchmarks.workload import Workload, sleep_until
@@ -30,6 +30,7 @@ from benchmarks.workload import Workload, sleep_until
 
 class GenerateBatchSystem:
     name = "generate_batch"
+    modes = BASELINE_MODES
 
     def __init__(self, config: BenchConfig, model_dir: str, workload: Workload) -> None:
         self.model = load_hf_model(model_dir)

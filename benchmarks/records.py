@@ -16,7 +16,8 @@ class RequestRecord:
     """One request as a system served it.
 
     Attributes:
-        arrival: when the request was due (run start + its arrival offset); latencies start here.
+        arrival: when the request was due (run start + its arrival offset; in the concurrent mode, when it was
+            sent: once a slot freed); latencies start here.
         token_times: when each output token became visible to the caller (empty if the system cannot stream).
         finish: when the whole answer was available to the caller.
         num_output_tokens: tokens the system produced for this request (static batching counts only the

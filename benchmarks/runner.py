@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from backend.model_loader import resolve_model_dir
 from benchmarks.ceiling import measure_ceiling, measure_engine_step, measure_prefill
-from benchmarks.config import BenchConfig
+from benchmarks.config import MODES, BenchConfig
 from benchmarks.engine_system import engine_config
 from benchmarks.machine import load_average, machine_info
 from benchmarks.records import summarize
@@ -73,7 +73,7 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
             log.warning("%s skipped: %s", name, skipped[name])
             continue
         try:
-            for mode in config.modes:
+            for mode in [m for m in config.modes if m in getattr(system, "modes", MODES)]:
                 requests = workload.head(config.max_requests(name, mode))
                 load_before = load_average()
                 summary = summarize(system.run(requests, mode))

@@ -1,5 +1,6 @@
 """Our engine behind a real tritonserver, timed at the client: one gRPC stream per request, each sent at its
-arrival time; every streamed response is timestamped when the client receives it.
+arrival time (in the concurrent mode: once fewer than ``concurrency`` streams are open); every streamed response
+is timestamped when the client receives it.
 
 The client shares the machine's cores with the server, so it is kept light, as vLLM's benchmark client is: one
 asyncio event loop on one channel (``tritonclient.grpc.aio``) rather than a thread and a channel per request,
@@ -59,6 +60,7 @@ class ServerSystem:
         self.server = server
         self.client = LLMClient(self.server.grpc_url, self.server.http_url, version=MODEL_VERSION)
         self.progress = config.progress
+        self.concurrency = config.concurrency
         list(self.client.stream_grpc("Hello", max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
 
     def run(self, workload: Workload, mode: str) -> SystemRun:
@@ -79,7 +81,8 @@ class ServerSystem:
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        asyncio.run(self._stream_all(workload.requests, records, start, arrivals, errors, bar))
+        concurrency = self.concurrency if mode == "concurrent" else None
+        asyncio.run(self._stream_all(workload.requests, records, start, arrivals, concurrency, errors, bar))
         time.sleep(3 * METRICS_POLL_S)  # let the server publish its last counters
         stop.set()
         poller.join()
@@ -93,46 +96,56 @@ class ServerSystem:
                          notes=["timed at the gRPC client; server torch threads: its own default"])
 
     async def _stream_all(self, requests: list[BenchRequest], records: dict, start: float, arrivals: list[float],
-                          errors: list[str], bar) -> None:
-        """Streams every request at its arrival time over one channel; fills ``records`` as responses arrive."""
+                          concurrency: int | None, errors: list[str], bar) -> None:
+        """Streams every request at its arrival time over one channel; with ``concurrency``, at most that many at
+        once (a closed loop: a request is due when it gets a slot). Fills ``records`` as responses arrive."""
         import tritonclient.grpc.aio as grpcclient
 
-        from client import LLMClient
-
         client = grpcclient.InferenceServerClient(self.server.grpc_url)
+        slots = asyncio.Semaphore(concurrency or len(requests))
 
         async def one(r: BenchRequest) -> None:
             rec = records[r.index]
             rec.arrival = start + arrivals[r.index]
             await asyncio.sleep(max(0.0, rec.arrival - time.perf_counter()))
-            inputs = LLMClient.grpc_inputs(r.prompt_text, max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            done = asyncio.Event()
-
-            async def request():
-                yield {"model_name": "llm", "model_version": MODEL_VERSION, "inputs": inputs,
-                       "request_id": uuid.uuid4().hex}
-                await done.wait()
-
-            try:
-                async for result, error in client.stream_infer(request()):
-                    now = time.perf_counter()
-                    if error is not None:
-                        raise RuntimeError(str(error))
-                    rec.token_times += [now] * result.as_numpy("output_ids").size
-                    rec.num_output_tokens = int(result.as_numpy("num_output_tokens")[0])
-                    rec.finish = now
-                    if result.get_response().parameters["triton_final_response"].bool_param:
-                        break
-            except Exception as exc:  # reported, and the run fails below
-                errors.append(f"request {r.index}: {exc}")
-            finally:
-                done.set()
+            async with slots:
+                if concurrency:
+                    rec.arrival = time.perf_counter()
+                await self._stream_one(client, r, rec, errors)
             bar.update(1)
 
         try:
             await asyncio.gather(*(one(r) for r in requests))
         finally:
             await client.close()
+
+    @staticmethod
+    async def _stream_one(client, r: BenchRequest, rec: RequestRecord, errors: list[str]) -> None:
+        """One request's stream: a timestamp per received token; a failure is appended to ``errors``."""
+        from client import LLMClient
+
+        inputs = LLMClient.grpc_inputs(r.prompt_text, max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        done = asyncio.Event()
+
+        async def request():
+            yield {"model_name": "llm", "model_version": MODEL_VERSION, "inputs": inputs,
+                   "request_id": uuid.uuid4().hex}
+            await done.wait()
+
+        try:
+            async for result, error in client.stream_infer(request()):
+                now = time.perf_counter()
+                if error is not None:
+                    raise RuntimeError(str(error))
+                rec.token_times += [now] * result.as_numpy("output_ids").size
+                rec.num_output_tokens = int(result.as_numpy("num_output_tokens")[0])
+                rec.finish = now
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        except Exception as exc:  # reported, and the run fails in run()
+            errors.append(f"request {r.index}: {exc}")
+        finally:
+            done.set()
 
     def _metric(self, name: str) -> float:
         return self.server.metric(name, model="llm", version=MODEL_VERSION)

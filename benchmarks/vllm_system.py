@@ -76,6 +76,7 @@ class VllmSystem:
     def __init__(self, config: BenchConfig, model_dir: str, dtype: str, max_model_len: int) -> None:
         python = ensure_venv()
         env, self.notes = vllm_environment(config)
+        self.concurrency = config.concurrency
         self.workdir = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
         settings = {"model": model_dir, "dtype": dtype, "max_num_seqs": config.max_num_seqs,
                     "max_num_batched_tokens": config.max_num_batched_tokens, "max_model_len": max_model_len}
@@ -99,7 +100,8 @@ class VllmSystem:
     def run(self, workload: Workload, mode: str) -> SystemRun:
         arrivals = workload.arrivals(mode)
         spec = {"requests": [{"index": r.index, "prompt_ids": list(r.prompt_ids), "output_len": r.output_len,
-                              "arrival": arrivals[r.index]} for r in workload.requests]}
+                              "arrival": arrivals[r.index]} for r in workload.requests],
+                "concurrency": self.concurrency if mode == "concurrent" else None}
         in_path, out_path = self.workdir / f"{mode}.in.json", self.workdir / f"{mode}.out.json"
         in_path.write_text(json.dumps(spec))
         self.process.stdin.write(f"{in_path} {out_path}\n")
@@ -109,7 +111,8 @@ class VllmSystem:
         records = []
         for r in workload.requests:
             times = result["token_times"][str(r.index)]
-            records.append(RequestRecord(r.index, arrivals[r.index], r.output_len, token_times=times,
+            arrival = result["added"][str(r.index)] if mode == "concurrent" else arrivals[r.index]
+            records.append(RequestRecord(r.index, arrival, r.output_len, token_times=times,
                                          finish=times[-1] if times else None, num_output_tokens=len(times)))
         run = SystemRun("vllm", mode, records, 0.0, notes=list(self.notes))
         run.first_tokens = {int(k): v for k, v in result["first_tokens"].items()}

@@ -3,8 +3,9 @@
 ``python vllm_worker.py SETTINGS.json``: builds one vLLM ``LLMEngine`` (settings: model directory, dtype,
 batching limits), prints ``@@ready``, then for each line read from stdin (``IN.json OUT.json``) runs that
 workload and prints ``@@done``. IN holds, per request, the prompt token ids, the output length and the
-arrival offset (s); OUT gets, per request, the time of each output token (s from the run's start) and the
-first 16 output token ids. The engine is stepped here as vLLM's offline ``LLM.generate`` steps it, with
+arrival offset (s), and ``concurrency`` (null, or the requests in flight at most: a closed loop); OUT gets, per
+request, when it was added and the time of each output token (s from the run's start), and its first 16
+output token ids. The engine is stepped here as vLLM's offline ``LLM.generate`` steps it, with
 requests added at their arrival times, so per-token times are observed as our in-process engine's are.
 Imports nothing of this project: vLLM's environment has none of it.
 """
@@ -16,20 +17,24 @@ import sys
 import time
 
 
-def run(engine, params, requests: list[dict]) -> dict:
+def run(engine, params, requests: list[dict], concurrency: int | None = None) -> dict:
     from vllm.inputs import TokensPrompt
 
     requests = sorted(requests, key=lambda r: r["arrival"])
     times: dict[str, list[float]] = {str(r["index"]): [] for r in requests}
     tokens: dict[str, list[int]] = {str(r["index"]): [] for r in requests}
+    added: dict[str, float] = {}
+    limit = concurrency or len(requests)
     start = time.perf_counter()
-    pending = 0
+    pending = in_flight = 0
     while pending < len(requests) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
-        while pending < len(requests) and requests[pending]["arrival"] <= now:
+        while pending < len(requests) and requests[pending]["arrival"] <= now and in_flight < limit:
             r = requests[pending]
             engine.add_request(str(r["index"]), TokensPrompt(prompt_token_ids=r["prompt_ids"]), params(r["output_len"]))
+            added[str(r["index"])] = time.perf_counter() - start
             pending += 1
+            in_flight += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(requests[pending]["arrival"] - now, 0.05)))
             continue
@@ -38,7 +43,8 @@ def run(engine, params, requests: list[dict]) -> dict:
             stamp = time.perf_counter() - start
             times[out.request_id] += [stamp] * len(ids)
             tokens[out.request_id] += list(ids)
-    return {"token_times": times, "first_tokens": {k: v[:16] for k, v in tokens.items()}}
+            in_flight -= out.finished
+    return {"token_times": times, "added": added, "first_tokens": {k: v[:16] for k, v in tokens.items()}}
 
 
 def main(settings_path: str) -> None:
@@ -59,7 +65,8 @@ def main(settings_path: str) -> None:
     print(f"@@ready {time.perf_counter() - began:.1f}", flush=True)
     for line in sys.stdin:
         in_path, out_path = line.split()
-        result = run(engine, params, json.loads(open(in_path).read())["requests"])
+        spec = json.loads(open(in_path).read())
+        result = run(engine, params, spec["requests"], spec.get("concurrency"))
         with open(out_path, "w") as f:
             json.dump(result, f)
         print("@@done", flush=True)

@@ -45,8 +45,9 @@ class Workload:
     corpus_sha256: str
 
     def arrivals(self, mode: str) -> list[float]:
-        """Arrival offsets in seconds: all 0 offline, the Poisson times online."""
-        return [0.0 if mode == "offline" else r.online_arrival_s for r in self.requests]
+        """Arrival offsets in seconds: the Poisson times online; all 0 offline and concurrent (there a request
+        is due when a slot frees, and its system records when it sent it)."""
+        return [r.online_arrival_s if mode == "online" else 0.0 for r in self.requests]
 
     def head(self, limit: int | None) -> "Workload":
         """The first ``limit`` requests (by arrival; None = all), as a workload of their own.

@@ -15,13 +15,14 @@ from benchmarks.records import RequestRecord, SystemRun, summarize
 from benchmarks.workload import make_workload
 
 SYSTEMS = ("naive", "static", "generate_batch", "engine", "ceiling")  # the server has its own tests
-MODES = ("offline", "online")
+MODES = ("offline", "online", "concurrent")
+BASELINES = ("naive", "static", "generate_batch")  # one request or batch at a time: no closed-loop mode
 
 
 def tiny_config(model_dir: str, output_dir, **overrides) -> BenchConfig:
     settings = dict(model=model_dir, num_requests=6, seed=3, rate=40.0, systems=(*SYSTEMS, "prefix_cache"), modes=MODES,
                     prompt_tokens=(8, 40), short_output=(3, 8), long_output=(16, 24), long_share=0.3,
-                    static_batch=4, naive_max_requests=None, kv_cache_bytes=8 << 20, ceiling_steps=3,
+                    static_batch=4, concurrency=2, naive_max_requests=None, kv_cache_bytes=8 << 20, ceiling_steps=3,
                     output_dir=str(output_dir), progress=False)
     return BenchConfig(**{**settings, **overrides})
 
@@ -39,7 +40,8 @@ def runs_by(report: dict) -> dict[tuple[str, str], dict]:
 
 def test_every_system_runs_in_every_mode(report):
     assert report["skipped"] == {}
-    assert set(runs_by(report)) == {(s, m) for s in SYSTEMS for m in MODES}
+    assert set(runs_by(report)) == {(s, m) for s in SYSTEMS for m in MODES
+                                    if s not in BASELINES or m != "concurrent"}
 
 
 def test_every_system_produced_exactly_the_workload_tokens(report):
@@ -80,6 +82,32 @@ def test_figures_are_positive_finite_and_percentiles_ordered(report):
     assert static["ttft_s_p50"] == static["e2e_s_p50"]  # no streaming: the first token comes with the last
 
 
+def assert_closed_loop(records, concurrency: int) -> None:
+    """At most ``concurrency`` requests were in flight, the first ``concurrency`` went out at once, and every later
+    one only after another had finished (arrival = when it was sent, before its first token)."""
+    arrivals = sorted(r.arrival for r in records)
+    finishes = sorted(r.finish for r in records)
+    for k, arrival in enumerate(arrivals[concurrency:]):
+        assert arrival >= finishes[k]  # the (k + concurrency)-th request waited for the k-th finish
+    assert arrivals[concurrency - 1] < finishes[0]  # and the first ones did not wait
+    for r in records:
+        assert r.arrival <= r.token_times[0] <= r.finish and len(r.token_times) == r.expected_tokens
+
+
+def test_concurrent_mode_keeps_n_requests_in_flight(tiny_model_dir, tokenizer, tmp_path):
+    from benchmarks.engine_system import EngineSystem
+
+    config = tiny_config(tiny_model_dir, tmp_path, concurrency=2)
+    workload = make_workload(tokenizer, config)
+    system = EngineSystem(config)
+    try:
+        run = system.run(workload, "concurrent")
+    finally:
+        system.close()
+    assert len(run.records) == 6
+    assert_closed_loop(run.records, 2)
+
+
 def test_engine_kv_use_and_ratios(report):
     for mode in MODES:
         kv = runs_by(report)[("engine", mode)]["kv"]
@@ -88,9 +116,10 @@ def test_engine_kv_use_and_ratios(report):
         assert kv["stored_tokens"] <= kv["reserved_slots"]
         assert runs_by(report)[("engine", mode)]["preemptions"] >= 0
         ratios = report["ratios"][mode]
-        for key in ("engine_vs_static", "engine_vs_generate_batch", "engine_vs_naive", "engine_vs_ceiling",
-                    "engine_vs_ceiling_with_prefill"):
+        for key in ("engine_vs_ceiling", "engine_vs_ceiling_with_prefill"):
             assert ratios[key] > 0, key
+        for key in ("engine_vs_static", "engine_vs_generate_batch", "engine_vs_naive"):
+            assert (ratios[key] > 0) if mode != "concurrent" else ratios[key] is None, key
         assert ratios["engine_vs_ceiling_with_prefill"] > ratios["engine_vs_ceiling"]
         ceiling = runs_by(report)[("ceiling", mode)]
         assert ratios["engine_step_vs_ceiling_step"] == pytest.approx(ceiling["step_s"] / ceiling["engine_step_s"])
@@ -122,7 +151,7 @@ def test_workload_is_fixed_by_its_seed(tokenizer, tmp_path):
     assert make_workload(tokenizer, tiny_config(None, tmp_path, num_requests=40, seed=4)) != a
     arrivals = a.arrivals("online")
     assert arrivals[0] == 0 and all(x < y for x, y in zip(arrivals, arrivals[1:]))
-    assert a.arrivals("offline") == [0.0] * 40
+    assert a.arrivals("offline") == a.arrivals("concurrent") == [0.0] * 40  # concurrent: due when a slot frees
     for r in a.requests:
         assert tokenizer.encode(r.prompt_text) == list(r.prompt_ids)  # text and ids are the same prompt
         assert 3 <= r.output_len <= 24
@@ -160,9 +189,12 @@ def test_command_line():
     assert [default.max_requests(s, "online") for s in ("naive", "static", "engine")] == [8, 64, 64]
     assert parse_args(["--online-max-requests", "0"]).max_requests("engine", "online") is None
     assert [quick.max_requests(s, "online") for s in ("naive", "static", "engine")] == [4, None, None]
+    assert default.max_requests("engine", "concurrent") == 64 and default.concurrency == 16 and quick.concurrency == 4
+    assert parse_args(["--concurrency", "3"]).concurrency == 3
     for bad in (["--systems", "engine,nonsense"], ["--systems", ","], ["--online-max-requests", "-1"],
                 ["--static-max-requests", "-3"], ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "0"],
-                ["--rate", "nan"], ["--rate", "inf"], ["--num-requests", "0"]):
+                ["--rate", "nan"], ["--rate", "inf"], ["--num-requests", "0"], ["--concurrency", "0"],
+                ["--modes", "offline,closed"]):
         with pytest.raises(SystemExit):  # argparse's one-line error, exit status 2
             parse_args(bad)
     with pytest.raises(ValueError, match="naive_max_requests"):
