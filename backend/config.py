@@ -50,6 +50,10 @@ class EngineConfig:
         stream_interval: a streaming request's deltas are held back until it has this many new tokens (or ends);
             its first token always goes out at once. 1 (default) sends every token. Larger values trade
             smoothness for fewer responses, each an IPC round trip through Triton (vLLM's ``--stream-interval``).
+        cuda_graphs: ``off`` (default), ``on``: pure-decode steps replay CUDA graphs captured at start for batch
+            sizes up to ``min(max_num_seqs, 256)`` (:mod:`backend.cuda_graphs`; needs CUDA, the Triton kernels and
+            the compact decoder), or ``emulate``: the same static buffers and padding without capture, on any
+            device (for tests on machines without a GPU). Off by default until measured on a GPU.
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
@@ -75,6 +79,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    cuda_graphs: str = "off"
     model_runner: str = "default"
 
     def __post_init__(self) -> None:
@@ -94,6 +99,13 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
             raise ValueError("KV cache events need enable_prefix_caching (without it no block is ever shared)")
+        if self.cuda_graphs not in ("off", "on", "emulate"):
+            raise ValueError(f"cuda_graphs must be off, on or emulate, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs on needs a CUDA device, got device {self.device!r}")
+        if self.cuda_graphs != "off" and (self.use_kernels is False or self.model_impl != "auto"):
+            raise ValueError("cuda_graphs needs the Triton kernels and the compact decoder "
+                             "(use_kernels not False, model_impl auto)")
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",

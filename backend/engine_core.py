@@ -78,6 +78,8 @@ class EngineCore:
             self.model_runner = ModelRunner(model, num_blocks, config.block_size, use_kernels, max_model_len,
                                             compact=config.model_impl == "auto", cpu_kernel=cpu_kernel,
                                             cpu_threads=cpu_threads)
+            if config.cuda_graphs != "off":
+                self.model_runner.capture_decode_graphs(config.max_num_seqs, emulate=config.cuda_graphs == "emulate")
         self._cond = threading.Condition()
         self._new: list[Request] = []
         self._aborts: list[str] = []

@@ -15,6 +15,7 @@ import torch
 from backend.attention import (ATTENTION_NAME, AttentionMetadata, GatherWorkspace, KernelAttentionMetadata,
                                PrefillSpan, TorchAttentionMetadata)
 from backend.cpu_threads import ThreadBinder
+from backend.cuda_graphs import DecodeGraphs
 from backend.models import build_decoder
 from backend.sampler import Sampler, TokenLogprobs
 from backend.scheduler_output import SchedulerOutput
@@ -70,6 +71,22 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(model.config.num_hidden_layers)]
+        self.max_model_len = max_model_len
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, emulate: bool = False) -> None:
+        """Pure-decode steps of up to ``min(max_num_seqs, 256)`` requests replay CUDA graphs from now on
+        (:mod:`backend.cuda_graphs`; ``emulate``: the same buffers, run eagerly).
+
+        Raises:
+            ValueError: the step would not be capturable: not the Triton kernels, or not the compact decoder.
+        """
+        if not self.use_kernels or self.decoder is None:
+            raise ValueError("CUDA graphs need the Triton kernels (use_kernels) and the compact decoder "
+                             f"(this model runs {'the compact decoder' if self.decoder else 'transformers modules'}, "
+                             f"use_kernels={self.use_kernels})")
+        self.decode_graphs = DecodeGraphs(self.decoder, self.kv_caches, max_num_seqs, self.max_model_len,
+                                          self.block_size, emulate=emulate)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -100,11 +117,14 @@ class ModelRunner:
         slot_mapping = (block_tables[row_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
 
+        sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
+        if self.decode_graphs is not None and self.decode_graphs.covers(counts):
+            logits = self.decode_graphs.run(torch.tensor(token_ids), positions, slot_mapping, seq_lens, block_tables)
+            return self._sample(logits[sample_rows], scheduled, sample_rows)
         if self.use_kernels:
             meta = self._kernel_metadata(_num_decodes(counts), seq_lens, cu_seqlens, block_tables, slot_mapping)
         else:
             meta = self._torch_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
-        sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
         logits_rows = cu_seqlens[1:][sample_rows] - 1
         input_ids = torch.tensor(token_ids, device=self.device)
         positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
@@ -113,6 +133,10 @@ class ModelRunner:
         else:
             logits = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                 logits_to_keep=logits_rows, attention_metadata=meta).logits[0]
+        return self._sample(logits, scheduled, sample_rows)
+
+    def _sample(self, logits: torch.Tensor, scheduled, sample_rows: list[int]) -> ModelRunnerOutput:
+        """``logits``: ``[len(sample_rows), vocab_size]``, row j for request ``scheduled[sample_rows[j]]``."""
         if not sample_rows:
             return ModelRunnerOutput({}, {})
         sample_requests = [scheduled[i].request for i in sample_rows]
