@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <limits>
@@ -219,6 +220,8 @@ inline void attend_tile(const T* q_raw, const vf16* qv, const T* const* key_rows
 // One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
 // each 16-token tile is read as contiguous rows (the cache interleaves heads per token), which the prefetchers
 // follow; measured 1.5 vs 1.8 ms per layer against one head per task with the cache out of the CPU's caches.
+// Threads split the tasks by keys to read, not by count (30 layers, batch 48, bf16, 2 threads: the same 28 ms
+// with lengths uniform in 200-400; 32.1 -> 28.9 ms with them sorted, 19.7 -> 18.6 with 16-400).
 template <typename T, int D>
 void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
                  const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -228,7 +231,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * D;
   const int64_t splits = num_kv_heads / heads_per_task;
-  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     const int64_t max_heads = heads_per_task * group;
     std::vector<vf16> key_tiles(heads_per_task * 16 * C), value_tiles(heads_per_task * 16 * C);
     std::vector<vf16> qv(max_heads * C), acc(max_heads * C);
@@ -282,7 +285,21 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
         for (int d = 0; d < D; ++d) dst[d] = from_float<T>(tmp[d]);
       }
     }
-  });
+  };
+  // Each thread takes a contiguous range of tasks holding an equal share of the keys to read (a task costs its
+  // sequence's length), not an equal count of tasks: the batch's sequences differ in length.
+  const int64_t num_tasks = batch * splits;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> cost(num_tasks + 1, 0);
+  for (int64_t task = 0; task < num_tasks; ++task) cost[task + 1] = cost[task] + seq_lens[task / splits] + 16;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t lo = cost[num_tasks] * t / n, hi = cost[num_tasks] * (t + 1) / n;
+    const int64_t begin = std::lower_bound(cost.begin(), cost.end(), lo) - cost.begin();
+    const int64_t end = t + 1 == n ? num_tasks : std::lower_bound(cost.begin(), cost.end(), hi) - cost.begin();
+    if (begin < end) body(begin, end);
+  }
 }
 
 // Prefill (several query rows per sequence, causal), reading the blocks in place as decode does: one task per
