@@ -13,7 +13,7 @@ from kernels import reference
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 64, 4, 2, 6, 8
 
 
-def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM):
+def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM, num_heads: int = NUM_HEADS):
     """Random pool, scattered block tables padded with block 0, and the engine's key mask."""
     gen = torch.Generator().manual_seed(seed)
     key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen)
@@ -26,7 +26,7 @@ def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM):
         tables[i, :used] = torch.tensor([order.pop() for _ in range(used)])
     lens = torch.tensor(seq_lens)
     mask = (torch.arange(max_blocks * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
-    query = torch.randn(len(seq_lens), NUM_HEADS, head_dim, generator=gen)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     return query, key_cache, value_cache, tables, lens, mask
 
 
@@ -67,18 +67,30 @@ def test_cpu_kernel_reads_blocks_in_place_like_the_reference(dtype, head_dim):
         _check_cpu_kernel(seq_lens, dtype, head_dim)
 
 
-def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8])  # query heads per KV head: the kernel takes them 4 (or 2) at a time
+def test_cpu_kernel_covers_every_query_group_size(dtype, head_dim, group):
     import kernels.cpu
 
-    query, key_cache, value_cache, tables, lens, _ = decode_inputs(seq_lens, seed=3, head_dim=head_dim)
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    _check_cpu_kernel([1, 17, 40, 9, 33, 2, 16, 64], dtype, head_dim, num_heads=group * NUM_KV_HEADS)
+
+
+def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, num_heads: int = NUM_HEADS) -> None:
+    import kernels.cpu
+
+    query, key_cache, value_cache, tables, lens, _ = decode_inputs(seq_lens, seed=3, head_dim=head_dim,
+                                                                   num_heads=num_heads)
     query, key_cache, value_cache = query.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
     got = kernels.cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
     for i, n in enumerate(seq_lens):
         keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()
         values = value_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()
-        q = query[i].float().view(NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, head_dim)
+        q = query[i].float().view(NUM_KV_HEADS, num_heads // NUM_KV_HEADS, head_dim)
         scores = torch.einsum("hgd,thd->hgt", q, keys) * 0.3
-        want = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values).reshape(NUM_HEADS, head_dim)
+        want = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values).reshape(num_heads, head_dim)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i].float(), want, atol=tolerance, rtol=tolerance)
 

@@ -162,59 +162,91 @@ template <int D>
 inline vf16 dot_bf16(const bf16*, const bf16*) { return vf16{}; }
 #endif
 
-// One query vector against one tile of `n` (<= 16) keys, updating its running maximum, sum and accumulator
-// (online softmax). `q_raw` / `key_rows[i] + kv_offset`: the query and the keys as stored (bf16 dot products);
-// `qv`: the query in fp32, already scaled; `kt` / `vt`: the tile's keys / values in fp32, 16 x C vectors.
-template <typename T, int D, bool BF16_DOT>
-inline void attend_tile(const T* q_raw, const vf16* qv, const T* const* key_rows, int64_t kv_offset, const vf16* kt,
-                        const vf16* vt, int n, float scale, float& maximum, float& sum, vf16* acc) {
+// `NG` query heads sharing one KV head against one tile of `n` (<= 16) keys, updating their running maxima, sums
+// and accumulators (online softmax). The heads go together so that their dependency chains interleave (one head
+// alone waits on its softmax, then on 16 multiply-adds in a row per accumulator): SmolLM2's groups of three, 30
+// layers, batch 48, bf16, 2 threads: 27.3 -> 26.1 ms with the cache out of the CPU's caches, 2.4 -> 2.2 ms in them. `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored
+// (bf16 dot products); `qv`: the queries in fp32, already scaled, NG x C vectors; `kt` / `vt`: the tile's keys /
+// values in fp32, 16 x C vectors.
+template <typename T, int D, bool BF16_DOT, int NG>
+inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* key_rows, int64_t kv_offset,
+                        const vf16* kt, const vf16* vt, int n, float scale, float* maximum, float* sum, vf16* acc) {
   constexpr int C = D / 16;
-  alignas(64) float scores[16];
-  vf16 dots[16];
-  for (int i = 0; i < 16; ++i) {
-    vf16 d = vf16{};
-    if constexpr (BF16_DOT) {
-      if (i < n) d = dot_bf16<D>(q_raw, key_rows[i] + kv_offset);
-    } else {
-      if (i < n) for (int c = 0; c < C; ++c) d += qv[c] * kt[i * C + c];
+  alignas(64) float scores[NG][16];
+  for (int g = 0; g < NG; ++g) {
+    vf16 dots[16];
+    for (int i = 0; i < 16; ++i) {
+      vf16 d = vf16{};
+      if constexpr (BF16_DOT) {
+        if (i < n) d = dot_bf16<D>(q_raw[g], key_rows[i] + kv_offset);
+      } else {
+        if (i < n) for (int c = 0; c < C; ++c) d += qv[g * C + c] * kt[i * C + c];
+      }
+      dots[BITREV4[i]] = d;
     }
-    dots[BITREV4[i]] = d;
+    if constexpr (BF16_DOT) {
+      store_vf16(scores[g], sum16(dots) * scale);
+    } else {
+      store_vf16(scores[g], sum16(dots));
+    }
   }
-  if constexpr (BF16_DOT) {
-    store_vf16(scores, sum16(dots) * scale);
-  } else {
-    store_vf16(scores, sum16(dots));
-  }
-  float m, tile_sum;
+  float alpha[NG];
+  for (int g = 0; g < NG; ++g) {
+    float m, tile_sum;
 #if defined(__AVX512F__)
-  {
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                        _mm512_load_ps(scores));
-    m = std::max(maximum, _mm512_reduce_max_ps(s));
+                                        _mm512_load_ps(scores[g]));
+    m = std::max(maximum[g], _mm512_reduce_max_ps(s));
     const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
     tile_sum = _mm512_reduce_add_ps(p);
-    _mm512_store_ps(scores, p);
-  }
+    _mm512_store_ps(scores[g], p);
 #else
-  m = maximum;
-  for (int i = 0; i < n; ++i) m = std::max(m, scores[i]);
-  tile_sum = 0.f;
-  for (int i = 0; i < 16; ++i) {
-    scores[i] = i < n ? exp_nonpositive(scores[i] - m) : 0.f;
-    tile_sum += scores[i];
-  }
+    m = maximum[g];
+    for (int i = 0; i < n; ++i) m = std::max(m, scores[g][i]);
+    tile_sum = 0.f;
+    for (int i = 0; i < 16; ++i) {
+      scores[g][i] = i < n ? exp_nonpositive(scores[g][i] - m) : 0.f;
+      tile_sum += scores[g][i];
+    }
 #endif
-  const float alpha = exp_nonpositive(maximum - m);
-  maximum = m;
-  sum = sum * alpha + tile_sum;
-  vf16 a[C];
-  for (int c = 0; c < C; ++c) a[c] = acc[c] * alpha;
-  for (int i = 0; i < n; ++i) {
-    const float p = scores[i];
-    for (int c = 0; c < C; ++c) a[c] += p * vt[i * C + c];
+    alpha[g] = exp_nonpositive(maximum[g] - m);
+    maximum[g] = m;
+    sum[g] = sum[g] * alpha[g] + tile_sum;
   }
-  for (int c = 0; c < C; ++c) acc[c] = a[c];
+  vf16 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = acc[g * C + c] * alpha[g];
+  for (int i = 0; i < n; ++i) {
+    for (int g = 0; g < NG; ++g) {
+      const float p = scores[g][i];
+      for (int c = 0; c < C; ++c) a[g][c] += p * vt[i * C + c];
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) acc[g * C + c] = a[g][c];
+}
+
+// The query heads of one KV head, `NG_MAX` at a time (their accumulators must fit the 32 vector registers).
+template <typename T, int D, bool BF16_DOT>
+inline void attend_tile_group(int64_t group, const T* const* q_raw, const vf16* qv, const T* const* key_rows,
+                              int64_t kv_offset, const vf16* kt, const vf16* vt, int n, float scale, float* maximum,
+                              float* sum, vf16* acc) {
+  constexpr int C = D / 16, NG_MAX = D == 64 ? 4 : 2;
+  for (int64_t g = 0; g < group; g += NG_MAX) {
+    const int64_t count = std::min<int64_t>(NG_MAX, group - g);
+    const T* const* qr = q_raw + g;
+    const vf16* qg = qv + g * C;
+    vf16* ag = acc + g * C;
+    if (count == NG_MAX) {
+      attend_tile<T, D, BF16_DOT, NG_MAX>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+    } else if (count == 1) {
+      attend_tile<T, D, BF16_DOT, 1>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+    } else if constexpr (NG_MAX == 4) {
+      if (count == 2) attend_tile<T, D, BF16_DOT, 2>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+      else attend_tile<T, D, BF16_DOT, 3>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+    }
+  }
 }
 
 // One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
@@ -271,10 +303,11 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
           for (int64_t kh = 0; kh < heads_per_task; ++kh)
             for (int c = 0; c < C; ++c) value_tiles[(kh * 16 + i) * C + c] = load_vf16(value_cache + row + kh * D + 16 * c);
         }
-        for (int64_t h = 0; h < heads; ++h) {
-          attend_tile<T, D, BF16_DOT>(q_raw[h], qv.data() + h * C, key_rows, (h / group) * D,
-                                      key_tiles.data() + (h / group) * 16 * C, value_tiles.data() + (h / group) * 16 * C,
-                                      n, scale, maxima[h], sums[h], acc.data() + h * C);
+        for (int64_t kh = 0; kh < heads_per_task; ++kh) {
+          const int64_t h = kh * group;
+          attend_tile_group<T, D, BF16_DOT>(group, q_raw + h, qv.data() + h * C, key_rows, kh * D,
+                                            key_tiles.data() + kh * 16 * C, value_tiles.data() + kh * 16 * C, n, scale,
+                                            maxima.data() + h, sums.data() + h, acc.data() + h * C);
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
