@@ -174,7 +174,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
         out[nd:] = prefill
         return out
 
-    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    written = False
+    if meta.cpu_kernel:
+        import kernels.cpu
+
+        written = kernels.cpu.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    if not written:
+        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
     if not options.is_plain:
         return paged_variant_attention(q, key_cache, value_cache, meta, options, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -131,3 +131,26 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading():
     finally:
         stale.unlink(missing_ok=True)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
+    """K and V read in place from a fused QKV output (strided rows) land where index_copy_ puts them; a slot of
+    -1 writes nothing; transposed views are declined (the caller copies); a slot past the pool is an error."""
+    torch.manual_seed(4)
+    blocks, block_size, heads, dim, tokens = 9, 4, 3, 16, 7
+    qkv = torch.randn(tokens, (6 + 2 * heads) * dim).to(dtype)
+    k = qkv[:, 6 * dim:(6 + heads) * dim].view(tokens, heads, dim)
+    v = qkv[:, (6 + heads) * dim:].view(tokens, heads, dim)
+    slots = torch.tensor([5, 0, 35, -1, 17, 18, 2])
+    key_cache, value_cache = (torch.zeros(blocks, block_size, heads, dim, dtype=dtype) for _ in range(2))
+    assert kernels.cpu.write_kv(k, v, key_cache, value_cache, slots)
+    want_k, want_v = (torch.zeros(blocks * block_size, heads, dim, dtype=dtype) for _ in range(2))
+    kept = slots >= 0
+    want_k.index_copy_(0, slots[kept], k[kept])
+    want_v.index_copy_(0, slots[kept], v[kept])
+    assert torch.equal(key_cache.view(-1, heads, dim), want_k) and torch.equal(value_cache.view(-1, heads, dim), want_v)
+    transformers_k = torch.randn(1, heads, tokens, dim).to(dtype)[0].transpose(0, 1)  # [tokens, heads, dim] view
+    assert not kernels.cpu.write_kv(transformers_k, v, key_cache, value_cache, slots)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.cpu.write_kv(k, v, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 4, 5, blocks * block_size]))
