@@ -343,6 +343,38 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
 constexpr int64_t QUERY_ROWS = 16;
 constexpr int VECTORS = 4;
 
+// dst[j][i] = src[i * stride + j] for a 16 x 16 block of floats (dst: 16 rows of 16, contiguous): with AVX-512,
+// four rounds of shuffles across the 16 vectors instead of 256 scalar moves.
+inline void transpose16(const float* src, int64_t stride, float* dst) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    _mm512_storeu_ps(dst + 16 * i, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+    _mm512_storeu_ps(dst + 16 * (8 + i), _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) dst[16 * j + i] = src[i * stride + j];
+#endif
+}
+
 // Online softmax over one tile for `count` query vectors: scores s[j] (16 lanes, lanes >= n[j] masked) update
 // maxima / sums and become the probabilities p[j]; returns each vector's rescaling of its accumulator in alpha.
 inline void softmax_tile(const vf16* s, const int* n, int count, float* maxima, float* sums, float* p, float* alpha) {
@@ -445,19 +477,20 @@ void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_
       const int64_t keys = past + r1;  // the last row's position + 1
       for (int64_t t0 = 0; t0 < keys; t0 += 16) {
         const int tile = static_cast<int>(std::min<int64_t>(16, keys - t0));
-        alignas(64) float transposed[D][16];
+        alignas(64) float keys_fp32[16][D];  // the tile's keys in fp32, one row per token, then transposed
         for (int i = 0; i < 16; ++i) {
           if (i < tile) {
             const int64_t t = t0 + i;
             const int64_t row = (table[t / block_size] * block_size + t % block_size) * row_stride + kv_head * D;
-            for (int d = 0; d < D; ++d) transposed[d][i] = to_float(key_cache[row + d]);
+            for (int c = 0; c < C; ++c) store_vf16(keys_fp32[i] + 16 * c, load_vf16(key_cache + row + 16 * c));
             for (int c = 0; c < C; ++c) value_tile[i * C + c] = load_vf16(value_cache + row + 16 * c);
           } else {
-            for (int d = 0; d < D; ++d) transposed[d][i] = 0.f;
+            for (int c = 0; c < C; ++c) store_vf16(keys_fp32[i] + 16 * c, vf16{});
             for (int c = 0; c < C; ++c) value_tile[i * C + c] = vf16{};
           }
         }
-        for (int d = 0; d < D; ++d) key_tile[d] = load_vf16(transposed[d]);
+        for (int c = 0; c < C; ++c)
+          transpose16(keys_fp32[0] + 16 * c, D, reinterpret_cast<float*>(key_tile.data() + 16 * c));
         // rows whose position reaches this tile, and how many of its keys each sees
         const int64_t first_row = std::max(r0, t0 - past);
         for (int64_t v = (first_row - r0) * group; v < vectors; ++v)
