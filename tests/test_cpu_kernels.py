@@ -154,3 +154,43 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
     assert not kernels.cpu.write_kv(transformers_k, v, key_cache, value_cache, slots)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.cpu.write_kv(k, v, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 4, 5, blocks * block_size]))
+
+
+@pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX on this CPU (or not permitted)")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64])
+def test_small_gemm_equals_onednn_up_to_summation_order(rows):
+    """The AMX decode GEMM against an fp32 reference and oneDNN's bf16 GEMM (what runs for larger batches): full
+    and partial 16-row tiles, a bias, K of one and of many 32-wide tiles."""
+    torch.manual_seed(rows)
+    for n, k, with_bias in ((48, 32, False), (960, 576, True), (576, 1536, False)):
+        weight = (torch.randn(n, k) * 0.05).bfloat16()
+        x = torch.randn(rows, k).bfloat16()
+        bias = (torch.randn(n) * 0.1).bfloat16() if with_bias else None
+        got = kernels.cpu.small_gemm(x, kernels.cpu.small_gemm_pack(weight), bias)
+        want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)  # one bf16 rounding
+        onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias,
+                                                    "none", [], "")
+        assert (got != onednn).float().mean() < 1e-3
+
+
+@pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX on this CPU (or not permitted)")
+def test_linear_takes_the_small_gemm_up_to_64_rows_and_onednn_above():
+    from backend.models.layers import Linear
+
+    torch.manual_seed(9)
+    weight, bias = (torch.randn(96, 64) * 0.1).bfloat16(), (torch.randn(96) * 0.1).bfloat16()
+    linear = Linear(weight, bias, small_batch=True)
+    assert linear.small_batch is not None and Linear(weight, bias).small_batch is None
+    assert Linear(weight.float(), bias.float(), small_batch=True).small_batch is None  # bf16 only
+    calls = []
+    original = kernels.cpu.small_gemm
+    try:
+        kernels.cpu.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+        for rows in (1, 64, 65, 200):
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(linear(x).float(), F.linear(x.float(), weight.float(), bias.float()),
+                                       rtol=2 ** -7, atol=1e-3)
+    finally:
+        kernels.cpu.small_gemm = original
+    assert calls == [1, 64]

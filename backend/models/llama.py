@@ -37,8 +37,14 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
     return None
 
 
+# Up to this many bytes of weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
+# (kernels.cpu.small_gemm): that doubles the weights' memory, worth it for the small models CPUs serve; past it,
+# oneDNN runs every GEMM.
+SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
+
+
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, hf_layer, config, layer_idx: int, cpu_kernels: bool) -> None:
+    def __init__(self, hf_layer, config, layer_idx: int, cpu_kernels: bool, small_batch: bool = False) -> None:
         super().__init__()
         self.cpu_kernels = cpu_kernels
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -47,14 +53,14 @@ class DecoderLayer(torch.nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = attn.scaling
-        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj, small_batch=small_batch)
+        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias, small_batch)
         self.q_norm = self.k_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
             self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon, cpu_kernels)
             self.k_norm = RMSNorm(attn.k_norm.weight, attn.k_norm.variance_epsilon, cpu_kernels)
-        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = Linear(mlp.down_proj.weight)
+        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj, small_batch=small_batch)
+        self.down_proj = Linear(mlp.down_proj.weight, small_batch=small_batch)
         self.input_layernorm = RMSNorm(hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon,
                                        cpu_kernels)
         self.post_attention_layernorm = RMSNorm(hf_layer.post_attention_layernorm.weight,
@@ -96,10 +102,12 @@ class LlamaDecoder(torch.nn.Module):
         inner = hf_model.model
         self.config = config
         self.embed_tokens = inner.embed_tokens
-        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels)
+        weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+        small_batch = cpu_kernels and weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch)
                                           for i, layer in enumerate(inner.layers))
         self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
-        self.lm_head = Linear(hf_model.lm_head.weight, getattr(hf_model.lm_head, "bias", None))
+        self.lm_head = Linear(hf_model.lm_head.weight, getattr(hf_model.lm_head, "bias", None), small_batch)
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
         with torch.no_grad():  # transformers' own rotary module, so every static rope variant matches exactly

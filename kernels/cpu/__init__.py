@@ -4,6 +4,7 @@
   place through the block table (no gather), fp32 softmax and accumulation.
 - ``paged_prefill_attention``: the prompt (chunk) rows of several sequences at once, causal over each one's
   cached prefix and itself, reading the blocks in place too (16-token tiles shared by 16 query rows).
+- ``small_gemm``: decode-sized GEMMs (at most 64 rows) on AMX tiles, the weights streamed from a tile layout.
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
 - ``argmax_rows``: greedy picks read in the model's dtype (no fp32 copy of the logits).
 - ``bind_threads``: pins the OpenMP threads of the calling thread's team to given CPUs.
@@ -30,12 +31,13 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "rms_norm.cpp", "rotary.cpp", "activation.cpp",
-           "threads.cpp", "argmax.cpp")
+SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", "rms_norm.cpp", "rotary.cpp",
+           "activation.cpp", "threads.cpp", "argmax.cpp")
 # -fno-trapping-math lets loops that convert floats to integers (the exp below) vectorize; 512-bit vectors
 # measured 10-20% faster than GCC's default 256 on the elementwise kernels (AMX Xeon).
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-mprefer-vector-width=512", "-fopenmp"]
-FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "small_gemm_available",
+             "small_gemm_pack", "small_gemm", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
              "silu_and_mul",
              "bind_threads", "argmax_rows", "exit_when_orphaned"]
 
@@ -143,6 +145,37 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     """
     return _module().paged_prefill_attention(out, q, key_cache, value_cache, block_tables, cu_seqlens, seq_lens,
                                              scale)
+
+SMALL_GEMM_MAX_ROWS = 64
+
+
+def small_gemm_available() -> bool:
+    """Whether :func:`small_gemm` runs here: built with AMX (the compiler targets this CPU) and allowed by Linux."""
+    module = load()
+    return module is not None and module.small_gemm_available()
+
+
+def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bf16 weight (N a multiple of 16, K of 32) -> ``[N / 16, K / 2, 16, 2]``, the AMX tile layout."""
+    return _module().small_gemm_pack(weight.contiguous())
+
+
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` for at most :data:`SMALL_GEMM_MAX_ROWS` rows, on AMX tiles.
+
+    Args:
+        x: ``[M, K]`` bf16, 1 <= M <= 64; packed: from :func:`small_gemm_pack`; bias: ``[N]`` bf16 or None.
+
+    Returns:
+        ``[M, N]`` bf16, accumulated in fp32 and rounded once (as oneDNN's bf16 GEMM).
+
+    Raises:
+        RuntimeError: AMX unavailable, or shapes / dtypes that do not match.
+    """
+    out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+    _module().small_gemm(out, x.contiguous(), packed, bias)
+    return out
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
