@@ -26,9 +26,9 @@ class Linear(torch.nn.Module):
     Args:
         weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None. Both are kept as given
             on non-CPU devices; on CPU the weight is reordered into oneDNN's blocked layout once.
-        small_batch: also keep the weight in AMX's tile layout for ``kernels.cpu.small_gemm``, which runs the
-            GEMMs of decode steps (at most 64 rows) ~1.2-1.4x faster than oneDNN here by streaming the weights
-            in order; a second copy of the weight (bf16 CPUs with AMX only; ignored elsewhere).
+        small_batch: also keep the weight in the layout of ``kernels.cpu.small_gemm``, which runs the GEMMs of
+            decode steps (at most 64 rows) faster than oneDNN here by streaming the weights in order (bf16 on
+            AMX, fp32 on AVX-512; ignored elsewhere); a second copy of the weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False) -> None:
@@ -48,7 +48,7 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
-        if self.small_batch is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+        if self.small_batch is not None and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS:
             import kernels.cpu
 
             return kernels.cpu.small_gemm(x, self.small_batch, self.bias)
@@ -61,11 +61,11 @@ SMALL_GEMM_MAX_ROWS = 64  # kernels.cpu.SMALL_GEMM_MAX_ROWS (not imported here: 
 
 
 def _small_gemm_fits(weight: torch.Tensor) -> bool:
-    if weight.dtype != torch.bfloat16 or weight.shape[0] % 16 or weight.shape[1] % 32:
+    if weight.shape[0] % 16 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 32):
         return False
     import kernels.cpu
 
-    return kernels.cpu.small_gemm_available()
+    return kernels.cpu.small_gemm_available(weight.dtype)
 
 
 def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False) -> Linear:

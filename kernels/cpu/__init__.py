@@ -149,28 +149,32 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 SMALL_GEMM_MAX_ROWS = 64
 
 
-def small_gemm_available() -> bool:
-    """Whether :func:`small_gemm` runs here: built with AMX (the compiler targets this CPU) and allowed by Linux."""
+def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`small_gemm` runs here for ``dtype``: bf16 needs AMX (built for it: the compiler targets this
+    CPU; and allowed by Linux), fp32 AVX-512."""
     module = load()
-    return module is not None and module.small_gemm_available()
+    return dtype in (torch.bfloat16, torch.float32) and module is not None \
+        and module.small_gemm_available(dtype == torch.bfloat16)
 
 
 def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` bf16 weight (N a multiple of 16, K of 32) -> ``[N / 16, K / 2, 16, 2]``, the AMX tile layout."""
+    """``[N, K]`` weight (N a multiple of 16) -> bf16 (K a multiple of 32): ``[N / 16, K / 2, 16, 2]``, the AMX
+    tile layout; fp32: ``[N / 16, K, 16]``."""
     return _module().small_gemm_pack(weight.contiguous())
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T (+ bias)`` for at most :data:`SMALL_GEMM_MAX_ROWS` rows, on AMX tiles.
+    """``x @ weight^T (+ bias)`` for at most :data:`SMALL_GEMM_MAX_ROWS` rows: bf16 on AMX tiles, fp32 with
+    AVX-512 multiply-adds, the weights streamed in order from :func:`small_gemm_pack`'s layout.
 
     Args:
-        x: ``[M, K]`` bf16, 1 <= M <= 64; packed: from :func:`small_gemm_pack`; bias: ``[N]`` bf16 or None.
+        x: ``[M, K]`` bf16 or fp32, 1 <= M <= 64; packed: from :func:`small_gemm_pack`; bias: ``[N]`` or None.
 
     Returns:
-        ``[M, N]`` bf16, accumulated in fp32 and rounded once (as oneDNN's bf16 GEMM).
+        ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once, as oneDNN's bf16 GEMM).
 
     Raises:
-        RuntimeError: AMX unavailable, or shapes / dtypes that do not match.
+        RuntimeError: the kernel is unavailable for the dtype, or shapes / dtypes do not match.
     """
     out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
     _module().small_gemm(out, x.contiguous(), packed, bias)

@@ -4,7 +4,9 @@
 // one to 48 rows on this project's 2-core AMX Xeon; this kernel, each thread walking its own contiguous run of
 // 1 KiB weight tiles, ~20 GB/s (a step's 121 GEMMs of SmolLM2-135M: 17.8 -> 12.8 ms at 1 row, 18.6 -> 14.5 at 16,
 // 22.6 -> 19.9 at 48). Intel AMX: tdpbf16ps multiplies a 16 x 32 bf16 tile of rows by a 32 x 16 tile of weights
-// (stored as 16 rows of 16 pairs of consecutive k) into 16 x 16 fp32.
+// (stored as 16 rows of 16 pairs of consecutive k) into 16 x 16 fp32. fp32 weights take AVX-512 multiply-adds
+// instead (4 blocks of 16 outputs by up to 6 rows in registers, each weight vector used by every row): a step's
+// GEMMs at 48 rows 74.5 -> ms, at 1 row 33.4 -> ms.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -16,6 +18,11 @@
 #define LLM_HAVE_AMX 1
 #else
 #define LLM_HAVE_AMX 0
+#endif
+#if defined(__AVX512F__)
+#define LLM_HAVE_AVX512 1
+#else
+#define LLM_HAVE_AVX512 0
 #endif
 
 namespace llm_cpu {
@@ -67,11 +74,46 @@ BlockFn pick_block(int64_t full, bool tail) {
 }
 #endif
 
+#if LLM_HAVE_AVX512
+// Rows x[0..MB) against NB consecutive blocks of 16 outputs (weights [K][16] per block, blocks `stride` apart):
+// c[m * 64 + 16 * j + n] = sum_k x[m][k] w_j[k][n].
+template <int MB, int NB>
+inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride, float* c) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + 16 * k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + m * 64 + 16 * j, acc[m][j]);
+}
+
+template <int NB>
+inline void fma_rows(int64_t rows, const float* x, int64_t K, const float* w, int64_t stride, float* c) {
+  switch (rows) {
+    case 1: return fma_block<1, NB>(x, K, w, stride, c);
+    case 2: return fma_block<2, NB>(x, K, w, stride, c);
+    case 3: return fma_block<3, NB>(x, K, w, stride, c);
+    case 4: return fma_block<4, NB>(x, K, w, stride, c);
+    case 5: return fma_block<5, NB>(x, K, w, stride, c);
+    default: return fma_block<6, NB>(x, K, w, stride, c);
+  }
+}
+#endif
+
 }  // namespace
 }  // namespace llm_cpu
 
-// Whether this build and this process may use AMX (the kernel asks Linux for the tile state once).
-bool small_gemm_available() {
+// Whether this build and this process can run small_gemm for bf16 (AMX: the kernel asks Linux for the tile state
+// once) or for fp32 (AVX-512) weights.
+bool small_gemm_available(bool bf16) {
+  if (!bf16) return LLM_HAVE_AVX512;
 #if LLM_HAVE_AMX
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
@@ -80,19 +122,62 @@ bool small_gemm_available() {
 #endif
 }
 
-// weight [N, K] bf16, N % 16 == 0, K % 32 == 0 -> [N / 16, K / 2, 16, 2]: for each 16 outputs, every pair of
-// consecutive k of each output, the layout of AMX's B tiles (1 KiB each: 16 pairs x 16 outputs).
+// weight [N, K], N % 16 == 0 -> bf16 (K % 32 == 0): [N / 16, K / 2, 16, 2], for each 16 outputs every pair of
+// consecutive k of each output, the layout of AMX's B tiles (1 KiB each: 16 pairs x 16 outputs); fp32:
+// [N / 16, K, 16], each k's 16 outputs one vector.
 torch::Tensor small_gemm_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(0) % 16 == 0
-              && weight.size(1) % 32 == 0, "small_gemm_pack: bf16 [N, K], N % 16 == 0, K % 32 == 0");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kFloat) && weight.size(0) % 16 == 0
+              && (!bf16 || weight.size(1) % 32 == 0), "small_gemm_pack: bf16 or fp32 [N, K], N % 16 == 0, "
+              "bf16 K % 32 == 0");
   const int64_t N = weight.size(0), K = weight.size(1);
+  if (!bf16) return weight.reshape({N / 16, 16, K}).permute({0, 2, 1}).contiguous();
   return weight.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// The fp32 path of small_gemm (AVX-512): threads take contiguous runs of 4-block groups of 16 outputs.
+static void small_gemm_fp32(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+#if LLM_HAVE_AVX512
+  using namespace llm_cpu;
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = out.data_ptr<float>();
+  const int64_t groups = (NB + 3) / 4;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[6 * 64];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
+      const float* w = ws + nb0 * K * 16;
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, M - m0);
+        if (nbs == 4) fma_rows<4>(rows, xs + m0 * K, K, w, K * 16, c);
+        else for (int64_t j = 0; j < nbs; ++j) fma_rows<1>(rows, xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t n = 0; n < 16 * nbs; ++n)
+            ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+      }
+    }
+  });
+#endif
 }
 
 // out [M, N] = x [M, K] @ weight^T (+ bias [N], added in fp32), bf16, M <= 64; packed from small_gemm_pack.
 void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
-  TORCH_CHECK(small_gemm_available(), "small_gemm: AMX is not available");
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(small_gemm_available(false), "small_gemm: AVX-512 is not available");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= SMALL_GEMM_MAX_ROWS
+                && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.scalar_type() == at::kFloat,
+                "small_gemm: x fp32 [M <= 64, K] contiguous, packed [N / 16, K, 16]");
+    TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == packed.size(0) * 16
+                && out.scalar_type() == at::kFloat, "small_gemm: out fp32 [M, N] contiguous");
+    TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == at::kFloat),
+                "small_gemm: bias fp32 [N]");
+    return small_gemm_fp32(out, x, packed, bias);
+  }
+  TORCH_CHECK(small_gemm_available(true), "small_gemm: AMX is not available");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && M >= 1
               && M <= SMALL_GEMM_MAX_ROWS && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
