@@ -6,7 +6,7 @@
 // 22.6 -> 19.9 at 48). Intel AMX: tdpbf16ps multiplies a 16 x 32 bf16 tile of rows by a 32 x 16 tile of weights
 // (stored as 16 rows of 16 pairs of consecutive k) into 16 x 16 fp32. fp32 weights take AVX-512 multiply-adds
 // instead (4 blocks of 16 outputs by up to 6 rows in registers, each weight vector used by every row): a step's
-// GEMMs at 48 rows 74.5 -> ms, at 1 row 33.4 -> ms.
+// GEMMs 32.7 -> 20.7 ms at 1 row, 41.1 -> 32.2 at 12, 80.9 -> 67.4 at 48.
 #include "common.h"
 
 #include <ATen/Parallel.h>
