@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
-    for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch", "max_num_seqs",
-                  "max_num_batched_tokens", "stream_interval", "output_dir"):
+    for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
+                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "output_dir"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

@@ -106,5 +106,6 @@ class BenchConfig:
 
 # --quick: a small workload with shorter outputs, so the whole run fits in about 3 minutes on 2 cores.
 # The naive baseline runs a subset (its rate is a rate: not extrapolated, the subset is stated); the others all 12.
-QUICK = dict(num_requests=12, rate=3.0, concurrency=4, prompt_tokens=(16, 128), short_output=(8, 32), long_output=(48, 96),
-             naive_max_requests=4, static_max_requests=None, online_max_requests=None, ceiling_steps=6)
+QUICK = dict(num_requests=12, rate=3.0, concurrency=4, prompt_tokens=(16, 128), short_output=(8, 32),
+             long_output=(48, 96), naive_max_requests=4, static_max_requests=None, online_max_requests=None,
+             ceiling_steps=6)

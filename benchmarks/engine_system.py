@@ -22,9 +22,10 @@ from benchmarks.workload import Workload, sleep_until
 
 def engine_config(config: BenchConfig) -> EngineConfig:
     """The engine settings of the benchmark (those of the server's ``llm`` version 2)."""
-    return EngineConfig(model=config.model, dtype=config.dtype, num_threads=config.threads, max_num_seqs=config.max_num_seqs,
-                        max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-                        kv_cache_memory_bytes=config.kv_cache_bytes, stream_interval=config.stream_interval)
+    return EngineConfig(model=config.model, dtype=config.dtype, num_threads=config.threads,
+                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        block_size=config.block_size, kv_cache_memory_bytes=config.kv_cache_bytes,
+                        stream_interval=config.stream_interval)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

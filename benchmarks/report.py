@@ -118,7 +118,8 @@ def markdown(report: dict) -> str:
         *([f"Command: `{report['command']}`", ""] if report.get("command") else []),
         f"Workload: {w['num_requests']} requests, seed {w['seed']}; prompt tokens {_range(w['prompt_tokens'])}, "
         f"output tokens {_range(w['output_tokens'])} ({w['total_output_tokens']} in all, `ignore_eos`); offline = all "
-        f"at t=0, online = Poisson at {w['online_rate_rps']:g} req/s (last arrival {w['online_last_arrival_s']:.1f} s), "
+        f"at t=0, online = Poisson at {w['online_rate_rps']:g} req/s "
+        f"(last arrival {w['online_last_arrival_s']:.1f} s), "
         f"concurrent = {c.get('concurrency')} in flight (a closed loop: each request sent when one ends; latencies "
         f"count from then; the serving systems only). "
         f"Mean decode context {w['mean_decode_context_tokens']:g} tokens.",

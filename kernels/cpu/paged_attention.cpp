@@ -165,9 +165,9 @@ inline vf16 dot_bf16(const bf16*, const bf16*) { return vf16{}; }
 // `NG` query heads sharing one KV head against one tile of `n` (<= 16) keys, updating their running maxima, sums
 // and accumulators (online softmax). The heads go together so that their dependency chains interleave (one head
 // alone waits on its softmax, then on 16 multiply-adds in a row per accumulator): SmolLM2's groups of three, 30
-// layers, batch 48, bf16, 2 threads: 27.3 -> 26.1 ms with the cache out of the CPU's caches, 2.4 -> 2.2 ms in them. `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored
-// (bf16 dot products); `qv`: the queries in fp32, already scaled, NG x C vectors; `kt` / `vt`: the tile's keys /
-// values in fp32, 16 x C vectors.
+// layers, batch 48, bf16, 2 threads: 27.3 -> 26.1 ms with the cache out of the CPU's caches, 2.4 -> 2.2 ms in
+// them. `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored (bf16 dot products); `qv`: the
+// queries in fp32, already scaled, NG x C vectors; `kt` / `vt`: the tile's keys / values in fp32, 16 x C vectors.
 template <typename T, int D, bool BF16_DOT, int NG>
 inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* key_rows, int64_t kv_offset,
                         const vf16* kt, const vf16* vt, int n, float scale, float* maximum, float* sum, vf16* acc) {
@@ -243,8 +243,11 @@ inline void attend_tile_group(int64_t group, const T* const* q_raw, const vf16* 
     } else if (count == 1) {
       attend_tile<T, D, BF16_DOT, 1>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
     } else if constexpr (NG_MAX == 4) {
-      if (count == 2) attend_tile<T, D, BF16_DOT, 2>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
-      else attend_tile<T, D, BF16_DOT, 3>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+      if (count == 2) {
+        attend_tile<T, D, BF16_DOT, 2>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+      } else {
+        attend_tile<T, D, BF16_DOT, 3>(qr, qg, key_rows, kv_offset, kt, vt, n, scale, maximum + g, sum + g, ag);
+      }
     }
   }
 }

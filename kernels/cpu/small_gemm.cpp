@@ -136,7 +136,8 @@ torch::Tensor small_gemm_pack(torch::Tensor weight) {
 }
 
 // The fp32 path of small_gemm (AVX-512): threads take contiguous runs of 4-block groups of 16 outputs.
-static void small_gemm_fp32(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+static void small_gemm_fp32(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                            c10::optional<torch::Tensor> bias) {
 #if LLM_HAVE_AVX512
   using namespace llm_cpu;
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
