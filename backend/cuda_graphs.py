@@ -26,7 +26,6 @@ from backend.attention import KernelAttentionMetadata
 
 log = logging.getLogger(__name__)
 MAX_CAPTURED_BATCH = 256
-MODES = ("off", "on", "emulate")
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURED_BATCH) -> list[int]:
