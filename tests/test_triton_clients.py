@@ -101,6 +101,19 @@ def test_vllm_backend_sample_client_request_shape(triton_server):
     assert joined(got) == greedy.json()["text_output"]
 
 
+def test_only_the_requested_outputs_are_sent(triton_server):
+    """A client naming its outputs gets those and no others in every streamed response (the model builds no
+    others); one naming none gets them all. The tokens are the same either way."""
+    inputs = {"text_input": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    named = stream(triton_server, inputs, outputs=["output_ids", "text_output"])
+    assert len(named) >= 6
+    assert all({o.name for o in r.get_response().outputs} == {"output_ids", "text_output"} for r in named)
+    every = stream(triton_server, inputs)
+    assert {o.name for o in every[0].get_response().outputs} >= {"text_output", "output_ids", "finish_reason",
+                                                                  "num_input_tokens", "num_output_tokens", "index"}
+    assert ids(named) == ids(every) and len(ids(named)) == 6 and joined(named) == joined(every)
+
+
 @pytest.mark.parametrize("version", ["1", "2"])
 def test_genai_perf_kserve_vllm_request_shape(triton_server, version):
     """GenAI-Perf --endpoint-type kserve --backend vllm --output-tokens-mean 12 --output-tokens-mean-deterministic."""

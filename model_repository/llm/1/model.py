@@ -65,6 +65,7 @@ class _InFlight:
     log_probs: dict[int, list[float]] = field(default_factory=dict)  # completion index -> per-token logprobs
     top_log_probs: dict[int, list] = field(default_factory=dict)  # completion index -> TokenLogprobs (non-streaming)
     returns: frozenset[str] = frozenset()  # the vLLM backend's return_* inputs that were true
+    wanted: frozenset[str] = frozenset()  # the outputs the client asked for (all of them when it named none)
 
 
 class TritonPythonModel:
@@ -119,7 +120,7 @@ class TritonPythonModel:
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
             state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None,
-                              returns=parsed.returns)
+                              returns=parsed.returns, wanted=frozenset(request.requested_output_names()))
             if len(parsed.prompt) > INLINE_TOKENIZE_BYTES // 4:  # may be over INLINE_TOKENIZE_BYTES
                 check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes, self.engine.max_model_len)
                 if len(parsed.prompt.encode("utf-8", "surrogatepass")) > INLINE_TOKENIZE_BYTES:
@@ -279,7 +280,7 @@ class TritonPythonModel:
                     extra = [*_log_prob_tensors(new_log_probs, [sum(log_probs)]),
                              self._vllm_logprobs([out.logprobs or []])]
                 extra += _vllm_outputs(state, [sum(log_probs)], [len(out.token_ids)])
-                state.sender.send(_response([out.text], out.token_ids, [out], extra), flags=flags)
+                state.sender.send(_response(state.wanted, [out.text], out.token_ids, [out], extra), flags=flags)
                 self.num_responses += 1
             return
         state.text.setdefault(out.index, []).append(out.text)
@@ -299,7 +300,8 @@ class TritonPythonModel:
                          self._vllm_logprobs([state.top_log_probs.get(i, []) for i in order])]
             extra += _vllm_outputs(state, [sum(lps) for lps in per_index],
                                    [state.finished[i].num_output_tokens for i in order])
-            state.sender.send(_response(texts, ids, [state.finished[i] for i in order], extra), flags=FINAL)
+            state.sender.send(_response(state.wanted, texts, ids, [state.finished[i] for i in order], extra),
+                              flags=FINAL)
             self.num_responses += 1
 
     def _vllm_logprobs(self, per_completion: list[list]):
@@ -330,24 +332,30 @@ def _vllm_outputs(state: _InFlight, cumulative: list[float], new_tokens: list[in
     return extra
 
 
-def _response(texts: list[str], token_ids: list[int], outs: list[RequestOutput], extra: list | None = None):
-    """One response; with n > 1 completions and stream false, one entry per completion (ids concatenated).
-    An output in ``extra`` replaces the one of the same name built here."""
-    replaced = {t.name() for t in extra or []}
-    return pb_utils.InferenceResponse(output_tensors=[*(extra or []), *(t for t in _base_outputs(texts, token_ids, outs)
-                                                                        if t.name() not in replaced)])
+def _response(wanted: frozenset[str], texts: list[str], token_ids: list[int], outs: list[RequestOutput],
+              extra: list | None = None):
+    """One response with the outputs in ``wanted`` (the request's requested outputs: Triton would drop the others
+    after they crossed from the stub, and each costs the stub, the server and the client CPU on every streamed
+    token); with n > 1 completions and stream false, one entry per completion (ids concatenated). An output in
+    ``extra`` replaces the one of the same name built here."""
+    tensors = [t for t in extra or [] if t.name() in wanted]
+    replaced = {t.name() for t in tensors}
+    for name, build in _BASE_OUTPUTS.items():
+        if name in wanted and name not in replaced:
+            tensors.append(pb_utils.Tensor(name, build(texts, token_ids, outs)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _base_outputs(texts: list[str], token_ids: list[int], outs: list[RequestOutput]) -> list:
-    return [
-        pb_utils.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_)),
-        pb_utils.Tensor("output_ids", np.array(token_ids, dtype=np.int64)),
-        pb_utils.Tensor("finish_reason", np.array([(o.finish_reason or "").encode() for o in outs], dtype=np.object_)),
-        pb_utils.Tensor("num_input_tokens", np.array([outs[0].num_prompt_tokens], dtype=np.uint32)),
-        pb_utils.Tensor("num_output_tokens", np.array([o.num_output_tokens for o in outs], dtype=np.uint32)),
-        pb_utils.Tensor("num_cached_tokens", np.array([outs[0].num_cached_tokens], dtype=np.uint32)),
-        pb_utils.Tensor("index", np.array([o.index for o in outs], dtype=np.uint32)),
-    ]
+_BASE_OUTPUTS = {  # name -> its array from (texts, token_ids, outs)
+    "text_output": lambda texts, ids, outs: np.array([t.encode("utf-8") for t in texts], dtype=np.object_),
+    "output_ids": lambda texts, ids, outs: np.array(ids, dtype=np.int64),
+    "finish_reason": lambda texts, ids, outs: np.array([(o.finish_reason or "").encode() for o in outs],
+                                                       dtype=np.object_),
+    "num_input_tokens": lambda texts, ids, outs: np.array([outs[0].num_prompt_tokens], dtype=np.uint32),
+    "num_output_tokens": lambda texts, ids, outs: np.array([o.num_output_tokens for o in outs], dtype=np.uint32),
+    "num_cached_tokens": lambda texts, ids, outs: np.array([outs[0].num_cached_tokens], dtype=np.uint32),
+    "index": lambda texts, ids, outs: np.array([o.index for o in outs], dtype=np.uint32),
+}
 
 
 def _send_error(sender, message: str, code) -> None:
