@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -255,8 +256,9 @@ inline void attend_tile_group(int64_t group, const T* const* q_raw, const vf16* 
 // One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
 // each 16-token tile is read as contiguous rows (the cache interleaves heads per token), which the prefetchers
 // follow; measured 1.5 vs 1.8 ms per layer against one head per task with the cache out of the CPU's caches.
-// Threads split the tasks by keys to read, not by count (30 layers, batch 48, bf16, 2 threads: the same 28 ms
-// with lengths uniform in 200-400; 32.1 -> 28.9 ms with them sorted, 19.7 -> 18.6 with 16-400).
+// Threads take tasks one at a time, longest first, rather than fixed shares: 30 layers, batch 48, context
+// 200-400, bf16, 2 threads: 29.3 vs 28.6 ms alone; 38.9 -> 33.5 ms (medians of 12) while another process takes
+// 300 us of every 1.5 ms on one of the cores, as tritonserver's and the stub's response threads do.
 template <typename T, int D>
 void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
                  const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -266,12 +268,12 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * D;
   const int64_t splits = num_kv_heads / heads_per_task;
-  auto body = [&](int64_t begin, int64_t end) {
+  auto body = [&](auto next_task) {
     const int64_t max_heads = heads_per_task * group;
     std::vector<vf16> key_tiles(heads_per_task * 16 * C), value_tiles(heads_per_task * 16 * C);
     std::vector<vf16> qv(max_heads * C), acc(max_heads * C);
     std::vector<float> maxima(max_heads), sums(max_heads);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = next_task(); task >= 0; task = next_task()) {
       const int64_t seq = task / splits, first_kv = (task % splits) * heads_per_task;
       const int64_t first_head = first_kv * group, heads = heads_per_task * group;
       const int64_t seq_len = seq_lens[seq];
@@ -322,20 +324,21 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
       }
     }
   };
-  // Each thread takes a contiguous range of tasks holding an equal share of the keys to read (a task costs its
-  // sequence's length), not an equal count of tasks: the batch's sequences differ in length.
+  // Threads take the tasks one at a time, longest sequences first: the batch's sequences differ in length, and a
+  // thread the OS takes away for a while (the server's own threads share these cores) leaves its share to the
+  // others instead of holding them at the barrier.
   const int64_t num_tasks = batch * splits;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
-  std::vector<int64_t> cost(num_tasks + 1, 0);
-  for (int64_t task = 0; task < num_tasks; ++task) cost[task + 1] = cost[task] + seq_lens[task / splits] + 16;
+  std::vector<int32_t> order(batch);
+  for (int64_t i = 0; i < batch; ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return seq_lens[a] > seq_lens[b]; });
+  std::atomic<int64_t> taken{0};
+  auto next_task = [&]() -> int64_t {
+    const int64_t i = taken.fetch_add(1, std::memory_order_relaxed);
+    return i < num_tasks ? order[i / splits] * splits + i % splits : -1;
+  };
 #pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t lo = cost[num_tasks] * t / n, hi = cost[num_tasks] * (t + 1) / n;
-    const int64_t begin = std::lower_bound(cost.begin(), cost.end(), lo) - cost.begin();
-    const int64_t end = t + 1 == n ? num_tasks : std::lower_bound(cost.begin(), cost.end(), hi) - cost.begin();
-    if (begin < end) body(begin, end);
-  }
+  body(next_task);
 }
 
 // Prefill (several query rows per sequence, causal), reading the blocks in place as decode does: one task per

@@ -11,8 +11,11 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <atomic>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LLM_HAVE_AMX 1
@@ -29,6 +32,7 @@ namespace llm_cpu {
 namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;
+constexpr int64_t GEMM_RUN_BLOCKS = 4;  // 16-output blocks a thread takes at a time
 
 #if LLM_HAVE_AMX
 struct TileConfig {
@@ -146,9 +150,11 @@ static void small_gemm_fp32(torch::Tensor out, torch::Tensor x, torch::Tensor pa
   const float* bs = bias ? bias->data_ptr<float>() : nullptr;
   float* ys = out.data_ptr<float>();
   const int64_t groups = (NB + 3) / 4;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
+  {
     alignas(64) float c[6 * 64];
-    for (int64_t g = begin; g < end; ++g) {
+    for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const float* w = ws + nb0 * K * 16;
       for (int64_t m0 = 0; m0 < M; m0 += 6) {
@@ -160,7 +166,7 @@ static void small_gemm_fp32(torch::Tensor out, torch::Tensor x, torch::Tensor pa
             ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
       }
     }
-  });
+  }
 #endif
 }
 
@@ -194,22 +200,28 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
   bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
   const int64_t full = M / 16, tail = M % 16;
   const BlockFn block = pick_block(full, tail > 0);
-  // Each thread takes a contiguous run of 16-output blocks: its weights stream from memory in order.
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+  // Threads take runs of GEMM_RUN_BLOCKS 16-output blocks as they go (each run's weights stream from memory in order;
+  // a thread the OS takes away for a while leaves the remaining runs to the others).
+  const int64_t NB = N / 16;
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), NB)))
+  {
     TileConfig config;
     for (int t = 0; t < 8; ++t) { config.rows[t] = 16; config.colsb[t] = 64; }
     if (tail) { config.rows[3] = static_cast<uint8_t>(tail); config.rows[6] = static_cast<uint8_t>(tail); }
     _tile_loadconfig(&config);
     alignas(64) float c[4 * 256];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      block(xs, K, ws + nb * K * 16, c);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* row = c + (m / 16) * 256 + (m % 16) * 16;
-        bf16* dst = ys + m * N + nb * 16;
-        for (int n = 0; n < 16; ++n) dst[n] = from_float<bf16>(row[n] + (bs ? to_float(bs[nb * 16 + n]) : 0.f));
+    for (int64_t run = taken.fetch_add(GEMM_RUN_BLOCKS); run < NB; run = taken.fetch_add(GEMM_RUN_BLOCKS)) {
+      for (int64_t nb = run; nb < std::min(NB, run + GEMM_RUN_BLOCKS); ++nb) {
+        block(xs, K, ws + nb * K * 16, c);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* row = c + (m / 16) * 256 + (m % 16) * 16;
+          bf16* dst = ys + m * N + nb * 16;
+          for (int n = 0; n < 16; ++n) dst[n] = from_float<bf16>(row[n] + (bs ? to_float(bs[nb * 16 + n]) : 0.f));
+        }
       }
     }
     _tile_release();
-  });
+  }
 #endif
 }
