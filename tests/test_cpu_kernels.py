@@ -157,15 +157,16 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 48, 64])
 def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
     """The decode GEMM (bf16 on AMX, fp32 on AVX-512) against an fp64 reference and oneDNN's GEMM (what runs for
-    larger batches): full and partial 16-row tiles and 6-row blocks, a bias, K of one and of many tiles, output
-    counts that are and are not multiples of 64."""
+    larger batches): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles of rows with several blocks of
+    outputs per pass (and block counts that leave a remainder), a bias, K of one and of many tiles, output counts
+    that are and are not multiples of 64."""
     if not kernels.cpu.small_gemm_available(dtype):
         pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX, fp32 AVX-512)")
     torch.manual_seed(rows)
-    for n, k, with_bias in ((48, 32, False), (960, 576, True), (576, 1536, False)):
+    for n, k, with_bias in ((48, 32, False), (80, 64, True), (960, 576, True), (576, 1536, False)):
         weight = (torch.randn(n, k) * 0.05).to(dtype)
         x = torch.randn(rows, k).to(dtype)
         bias = (torch.randn(n) * 0.1).to(dtype) if with_bias else None
