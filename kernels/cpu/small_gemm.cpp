@@ -33,7 +33,8 @@ namespace llm_cpu {
 namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;
-constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a time (a multiple of 2 and 3)
+constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a time
+constexpr int64_t MULTI_BLOCKS = 3;  // blocks per `tile_multi` pass (2 chunks x 3 blocks: 6 C tiles)
 
 #if LLM_HAVE_AMX
 struct TileConfig {
@@ -44,31 +45,16 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: C 0..FULL-1 (full 16-row chunks of the output), C 3 (the partial chunk after them, TAIL; FULL <= 3 then),
-// A 4 (a full chunk of x), A 6 (the partial chunk), B 5 (weights). The tile numbers must be literals.
-template <int FULL, bool TAIL>
+// At most 16 rows: C 0 and A 4 configured with the rows there are, B 5 (weights).
 inline void tile_block(const bf16* x, int64_t K, const bf16* w, float* c) {
-  if constexpr (FULL > 0) _tile_zero(0);
-  if constexpr (FULL > 1) _tile_zero(1);
-  if constexpr (FULL > 2) _tile_zero(2);
-  if constexpr (FULL > 3) _tile_zero(3);
-  if constexpr (TAIL) _tile_zero(3);
+  _tile_zero(0);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     _tile_loadd(5, w + kb * 512, 64);
-    if constexpr (FULL > 0) { _tile_loadd(4, x + kb * 32, K * 2); _tile_dpbf16ps(0, 4, 5); }
-    if constexpr (FULL > 1) { _tile_loadd(4, x + 16 * K + kb * 32, K * 2); _tile_dpbf16ps(1, 4, 5); }
-    if constexpr (FULL > 2) { _tile_loadd(4, x + 32 * K + kb * 32, K * 2); _tile_dpbf16ps(2, 4, 5); }
-    if constexpr (FULL > 3) { _tile_loadd(4, x + 48 * K + kb * 32, K * 2); _tile_dpbf16ps(3, 4, 5); }
-    if constexpr (TAIL) { _tile_loadd(6, x + FULL * 16 * K + kb * 32, K * 2); _tile_dpbf16ps(3, 6, 5); }
+    _tile_loadd(4, x + kb * 32, K * 2);
+    _tile_dpbf16ps(0, 4, 5);
   }
-  if constexpr (FULL > 0) _tile_stored(0, c, 64);
-  if constexpr (FULL > 1) _tile_stored(1, c + 256, 64);
-  if constexpr (FULL > 2) _tile_stored(2, c + 512, 64);
-  if constexpr (FULL > 3) _tile_stored(3, c + 768, 64);
-  if constexpr (TAIL) _tile_stored(3, c + FULL * 256, 64);
+  _tile_stored(0, c, 64);
 }
-
-using BlockFn = void (*)(const bf16*, int64_t, const bf16*, float*);
 
 // Tile `t` (a run-time value the unrolled loops below turn into the literal the instruction needs).
 inline void tile_zero_n(int t) {
@@ -92,12 +78,12 @@ inline void tile_store_n(int t, float* c) {
   }
 }
 
-// CH 16-row chunks of x (chunk i at a[i], rows K apart) against NBT consecutive 16-output blocks of weights (`step`
-// elements apart) at once: C tile i * NBT + j (<= 6 of them), A 6, B 7. Each chunk's A tile is loaded once per
-// 32 k for all NBT blocks (the B tiles after the first chunk's come from L1), not once per block as in
-// `tile_block`: at 17-48 rows a step's GEMMs load x from L2 two or three times less often. A step's 121 GEMMs
-// (SmolLM2-135M, cold weights, medians of 14 on a noisy machine): 32.7 -> 30.7 ms at 24 rows, 37.0 -> 32.6 at 32,
-// 39.5 -> 36.1 at 48 (38.2 / 37.9 at 44); results bit-identical (each output's sums in the same order).
+// CH (1 or 2) 16-row chunks of x (chunk i at a[i], rows K apart) against NBT consecutive 16-output blocks of
+// weights (`step` elements apart) at once: C tile i * NBT + j (<= 6 of them), A 6, B 7. Each chunk's A tile is
+// loaded once per 32 k for all NBT blocks (the B tiles after the first chunk's come from L1), not once per block:
+// over 16 rows a step's GEMMs load x from L2 three times less often. A step's 121 GEMMs (SmolLM2-135M, cold
+// weights, medians of 12 on a noisy machine), one block per chunk -> this: 21.7 -> 17.8 ms at 32 rows, 25.9 ->
+// 23.7 at 48, 29.6 -> 28.0 at 56, 31.0 -> 28.2 at 64; results bit-identical (each output's sums in one order).
 template <int CH, int NBT>
 inline void tile_multi(const bf16* const* a, int64_t K, const bf16* w, int64_t step, float* c) {
 #pragma GCC unroll 8
@@ -119,24 +105,11 @@ inline void tile_multi(const bf16* const* a, int64_t K, const bf16* w, int64_t s
 
 using MultiFn = void (*)(const bf16* const*, int64_t, const bf16*, int64_t, float*);
 
-// The widest `tile_multi` for `chunks` (2 or 3) and at most `blocks` blocks: 2 chunks x 3 blocks, 3 x 2.
-MultiFn pick_multi(int64_t chunks, int64_t blocks, int64_t* taken) {
-  if (chunks == 2) {
-    *taken = std::min<int64_t>(blocks, 3);
-    static constexpr MultiFn two[3] = {tile_multi<2, 1>, tile_multi<2, 2>, tile_multi<2, 3>};
-    return two[*taken - 1];
-  }
-  *taken = std::min<int64_t>(blocks, 2);
-  static constexpr MultiFn three[2] = {tile_multi<3, 1>, tile_multi<3, 2>};
-  return three[*taken - 1];
-}
-
-BlockFn pick_block(int64_t full, bool tail) {
-  static constexpr BlockFn with_tail[4] = {tile_block<0, true>, tile_block<1, true>, tile_block<2, true>,
-                                           tile_block<3, true>};
-  static constexpr BlockFn without_tail[5] = {nullptr, tile_block<1, false>, tile_block<2, false>,
-                                              tile_block<3, false>, tile_block<4, false>};
-  return tail ? with_tail[full] : without_tail[full];
+// `tile_multi` for one pass of `chunks` (1 or 2) 16-row tiles over `blocks` (1-3) blocks.
+MultiFn pick_multi(int64_t chunks, int64_t blocks) {
+  static constexpr MultiFn one[3] = {tile_multi<1, 1>, tile_multi<1, 2>, tile_multi<1, 3>};
+  static constexpr MultiFn two[3] = {tile_multi<2, 1>, tile_multi<2, 2>, tile_multi<2, 3>};
+  return (chunks == 1 ? one : two)[blocks - 1];
 }
 #endif
 
@@ -261,14 +234,14 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
   const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
   bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
   const int64_t full = M / 16, tail = M % 16, chunks = (M + 15) / 16;
-  const BlockFn block = pick_block(full, tail > 0);
-  // 17-48 rows: several blocks per pass (`tile_multi`), every chunk a full 16-row tile: a partial last chunk is
-  // copied into 16 zero-padded rows first (its extra rows' results are dropped).
-  const bool multi = chunks == 2 || chunks == 3;
+  // Over 16 rows: groups of up to MULTI_BLOCKS blocks, each read by passes of two 16-row chunks of x
+  // (`tile_multi`; the second and later passes find the group's weights in L2), every chunk a full 16-row tile:
+  // a partial last chunk is copied into 16 zero-padded rows first (its extra rows' results are dropped).
+  const bool multi = chunks > 1;
   std::vector<bf16> padded(multi && tail ? 16 * K : 0, bf16{0});
   if (!padded.empty()) std::memcpy(padded.data(), xs + full * 16 * K, tail * K * sizeof(bf16));
-  const bf16* a[3];
-  for (int64_t i = 0; i < chunks && i < 3; ++i) a[i] = i < full ? xs + i * 16 * K : padded.data();
+  const bf16* a[SMALL_GEMM_MAX_ROWS / 16];
+  for (int64_t i = 0; i < chunks; ++i) a[i] = i < full ? xs + i * 16 * K : padded.data();
   // Threads take runs of GEMM_RUN_BLOCKS 16-output blocks as they go (each run's weights stream from memory in order;
   // a thread the OS takes away for a while leaves the remaining runs to the others).
   const int64_t NB = N / 16;
@@ -277,21 +250,24 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
   {
     TileConfig config;
     for (int t = 0; t < 8; ++t) { config.rows[t] = 16; config.colsb[t] = 64; }
-    if (tail && !multi) { config.rows[3] = static_cast<uint8_t>(tail); config.rows[6] = static_cast<uint8_t>(tail); }
+    if (!multi) { config.rows[0] = static_cast<uint8_t>(M); config.rows[4] = static_cast<uint8_t>(M); }
     _tile_loadconfig(&config);
-    alignas(64) float c[6 * 256];
+    alignas(64) float c[SMALL_GEMM_MAX_ROWS / 32 * 6 * 256];  // per pass, 6 C tiles
     for (int64_t run = taken.fetch_add(GEMM_RUN_BLOCKS); run < NB; run = taken.fetch_add(GEMM_RUN_BLOCKS)) {
       const int64_t run_end = std::min(NB, run + GEMM_RUN_BLOCKS);
       for (int64_t nb = run, count = 1; nb < run_end; nb += count) {
         if (multi) {
-          pick_multi(chunks, run_end - nb, &count)(a, K, ws + nb * K * 16, K * 16, c);
+          count = std::min(MULTI_BLOCKS, run_end - nb);
+          for (int64_t pass = 0; 2 * pass < chunks; ++pass)
+            pick_multi(std::min<int64_t>(2, chunks - 2 * pass), count)(a + 2 * pass, K, ws + nb * K * 16, K * 16,
+                                                                         c + pass * 6 * 256);
         } else {
-          block(xs, K, ws + nb * K * 16, c);
+          tile_block(xs, K, ws + nb * K * 16, c);
         }
         for (int64_t j = 0; j < count; ++j) {
           for (int64_t m = 0; m < M; ++m) {
-            const float* row = multi ? c + ((m / 16) * count + j) * 256 + (m % 16) * 16
-                                     : c + (m / 16) * 256 + (m % 16) * 16;
+            const int64_t i = m / 16;  // the row's chunk: in pass i / 2, C tile (i % 2) * count + j of it
+            const float* row = c + ((i / 2) * 6 + (i % 2) * count + j) * 256 + (m % 16) * 16;
             bf16* dst = ys + m * N + (nb + j) * 16;
             const bf16* bias_j = bs ? bs + (nb + j) * 16 : nullptr;
             for (int n = 0; n < 16; ++n) dst[n] = from_float<bf16>(row[n] + (bias_j ? to_float(bias_j[n]) : 0.f));
