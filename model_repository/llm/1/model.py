@@ -334,10 +334,10 @@ def _vllm_outputs(state: _InFlight, cumulative: list[float], new_tokens: list[in
 
 def _response(wanted: frozenset[str], texts: list[str], token_ids: list[int], outs: list[RequestOutput],
               extra: list | None = None):
-    """One response with the outputs in ``wanted`` (the request's requested outputs: Triton would drop the others
-    after they crossed from the stub, and each costs the stub, the server and the client CPU on every streamed
-    token); with n > 1 completions and stream false, one entry per completion (ids concatenated). An output in
-    ``extra`` replaces the one of the same name built here."""
+    """One response with the outputs in ``wanted`` (the request's requested outputs: each other one would cost the
+    stub, the server and the client CPU on every streamed token for nothing); with n > 1 completions and stream
+    false, one entry per completion (ids concatenated). An output in ``extra`` replaces the one of the same name
+    built here."""
     tensors = [t for t in extra or [] if t.name() in wanted]
     replaced = {t.name() for t in tensors}
     for name, build in _BASE_OUTPUTS.items():
