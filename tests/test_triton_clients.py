@@ -105,8 +105,7 @@ def test_only_the_requested_outputs_are_sent(triton_server):
     """A client naming its outputs gets those and no others in every streamed response (the model builds no
     others); one naming none gets them all. The tokens are the same either way."""
     inputs = {"text_input": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    named = stream(triton_server, inputs, outputs=["output_ids", "text_output"])
-    assert len(named) >= 6
+    named = stream(triton_server, inputs, outputs=["output_ids", "text_output"])  # a response may carry several
     assert all({o.name for o in r.get_response().outputs} == {"output_ids", "text_output"} for r in named)
     every = stream(triton_server, inputs)
     assert {o.name for o in every[0].get_response().outputs} >= {"text_output", "output_ids", "finish_reason",
