@@ -324,9 +324,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
       }
     }
   };
-  // Threads take the tasks one at a time, longest sequences first: the batch's sequences differ in length, and a
-  // thread the OS takes away for a while (the server's own threads share these cores) leaves its share to the
-  // others instead of holding them at the barrier.
+  // Longest sequences first (see above).
   const int64_t num_tasks = batch * splits;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
   std::vector<int32_t> order(batch);
