@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--stream-interval", type=int,
                         help="our engine's and server's stream_interval: tokens per streamed delta after the first "
                              "(default 1)")
+    parser.add_argument("--served-offline-stream", action="store_true",
+                        help="the server's offline run streams every token (default: whole answers, stream false)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -56,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if args.modes:
         values["modes"] = tuple(s.strip() for s in args.modes.split(",") if s.strip())
     values["progress"] = not args.no_progress
+    values["served_offline_stream"] = args.served_offline_stream
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):
         if getattr(args, field) is not None and getattr(args, field) < 0:
             parser.error(f"--{field.replace('_', '-')} must be >= 0 (0 = all requests)")

@@ -44,6 +44,9 @@ class BenchConfig:
         ceiling_steps: timed decode steps of the forward-only ceiling.
         stream_interval: our engine's and server's ``stream_interval`` (1: every token streamed on its own;
             vLLM is run with its default, 1).
+        served_offline_stream: the server's offline run streams every token as the online runs do; by default
+            it asks for whole answers (``stream`` false: one response per request), as a batch client would and
+            as vLLM's offline ``LLM.generate`` returns them.
         output_dir: where the JSON, markdown and PNGs go.
         progress: show tqdm progress bars.
     """
@@ -71,6 +74,7 @@ class BenchConfig:
     kv_cache_bytes: int = 4 << 30
     ceiling_steps: int = 16
     stream_interval: int = 1
+    served_offline_stream: bool = False
     output_dir: str = "results/bench"
     quick: bool = False
     progress: bool = True

@@ -1,6 +1,9 @@
 """Our engine behind a real tritonserver, timed at the client: one gRPC stream per request, each sent at its
-arrival time (in the concurrent mode: once fewer than ``concurrency`` streams are open); every streamed response
-is timestamped when the client receives it.
+arrival time (in the concurrent mode: once fewer than ``concurrency`` streams are open). The online and
+concurrent runs ask for every token as it comes and timestamp each streamed response when the client receives
+it; the offline run asks for whole answers (``stream`` false, one response per request), as a batch client would
+and as vLLM's offline ``LLM.generate`` returns them (``served_offline_stream`` streams it too: on 2 cores each
+streamed response costs the client, tritonserver and the stub CPU that the forward pass then lacks).
 
 The client shares the machine's cores with the server, so it is kept light, as vLLM's benchmark client is: one
 asyncio event loop on one channel (``tritonclient.grpc.aio``) rather than a thread and a channel per request,
@@ -62,6 +65,7 @@ class ServerSystem:
         self.client = LLMClient(self.server.grpc_url, self.server.http_url, version=MODEL_VERSION)
         self.progress = config.progress
         self.concurrency = config.concurrency
+        self.offline_stream = config.served_offline_stream
         list(self.client.stream_grpc("Hello", max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
 
     def run(self, workload: Workload, mode: str) -> SystemRun:
@@ -83,22 +87,24 @@ class ServerSystem:
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         concurrency = self.concurrency if mode == "concurrent" else None
-        asyncio.run(self._stream_all(workload.requests, records, start, arrivals, concurrency, errors, bar))
+        stream = mode != "offline" or self.offline_stream
+        asyncio.run(self._stream_all(workload.requests, records, start, arrivals, concurrency, stream, errors, bar))
         time.sleep(3 * METRICS_POLL_S)  # let the server publish its last counters
         stop.set()
         poller.join()
         bar.close()
         if errors:
             raise RuntimeError(f"{len(errors)} server request(s) failed: {errors[:3]}")
-        return SystemRun("server", mode, list(records.values()), start,
+        return SystemRun("server", mode, list(records.values()), start, streams=stream,
                          mean_batch=sum(running) / len(running) if running else None,
                          batch_source=f"server llm_num_requests_running, sampled every {METRICS_POLL_S}s when > 0",
                          preemptions=int(self._metric("llm_num_preemptions_total") - preempted_before),
-                         notes=["timed at the gRPC client; server torch threads: its own default"])
+                         notes=["timed at the gRPC client; server torch threads: its own default"]
+                         + ([] if stream else ["whole answers (stream false): one response per request"]))
 
     async def _stream_all(self, requests: list[BenchRequest], records: dict, start: float, arrivals: list[float],
-                          concurrency: int | None, errors: list[str], bar) -> None:
-        """Streams every request at its arrival time over one channel; with ``concurrency``, at most that many at
+                          concurrency: int | None, stream: bool, errors: list[str], bar) -> None:
+        """Sends every request at its arrival time over one channel; with ``concurrency``, at most that many at
         once (a closed loop: a request is due when it gets a slot). Fills ``records`` as responses arrive."""
         import tritonclient.grpc.aio as grpcclient
 
@@ -112,7 +118,7 @@ class ServerSystem:
             async with slots:
                 if concurrency:
                     rec.arrival = time.perf_counter()
-                await self._stream_one(client, r, rec, errors)
+                await self._stream_one(client, r, rec, stream, errors)
             bar.update(1)
 
         try:
@@ -121,13 +127,15 @@ class ServerSystem:
             await client.close()
 
     @staticmethod
-    async def _stream_one(client, r: BenchRequest, rec: RequestRecord, errors: list[str]) -> None:
-        """One request's stream: a timestamp per received token; a failure is appended to ``errors``."""
+    async def _stream_one(client, r: BenchRequest, rec: RequestRecord, stream: bool, errors: list[str]) -> None:
+        """One request's stream: with ``stream``, a timestamp per received token, else one response with the
+        whole answer (no token times); a failure is appended to ``errors``."""
         from client import LLMClient
 
         import tritonclient.grpc.aio as grpcclient
 
-        inputs = LLMClient.grpc_inputs(r.prompt_text, max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        inputs = LLMClient.grpc_inputs(r.prompt_text, stream=stream, max_tokens=r.output_len, temperature=0.0,
+                                       ignore_eos=True)
         # The outputs a streaming client reads (the text, and the ids to count tokens by): the others would cost the
         # stub, the server and this client CPU on each response, which on a small machine the forward pass loses.
         outputs = [grpcclient.InferRequestedOutput(name) for name in STREAMED_OUTPUTS]
@@ -143,8 +151,9 @@ class ServerSystem:
                 now = time.perf_counter()
                 if error is not None:
                     raise RuntimeError(str(error))
-                rec.token_times += [now] * result.as_numpy("output_ids").size
-                rec.num_output_tokens = len(rec.token_times)
+                rec.num_output_tokens += result.as_numpy("output_ids").size
+                if stream:
+                    rec.token_times += [now] * result.as_numpy("output_ids").size
                 rec.finish = now
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break

@@ -339,7 +339,8 @@ def eventually(condition, message: str, timeout_s: float = 10.0) -> None:
 
 def test_benchmark_client_times_every_token_of_concurrent_streams(triton_server):
     """The benchmark's served system (one asyncio channel for all streams) on the shared server: every request's
-    tokens arrive, each timestamped after its arrival, in order, in each mode; the concurrent one keeps its limit."""
+    tokens arrive, each timestamped after its arrival, in order, in the streamed modes; offline, whole answers
+    (no token times) unless ``served_offline_stream``; the concurrent mode keeps its limit."""
     from benchmarks.config import BenchConfig
     from benchmarks.server_system import ServerSystem
     from benchmarks.workload import BenchRequest, Workload
@@ -349,9 +350,14 @@ def test_benchmark_client_times_every_token_of_concurrent_streams(triton_server)
                         seed=0, rate=1.0, corpus_tokens=0, corpus_sha256="")
     system = ServerSystem(BenchConfig(dtype="float32", concurrency=2), server=triton_server)
     try:
+        whole = system.run(workload, "offline")
+        assert not whole.streams and [r.num_output_tokens for r in whole.records] == lengths
+        for record, arrival in zip(whole.records, workload.arrivals("offline")):
+            assert record.token_times == [] and record.finish > record.arrival == pytest.approx(whole.start + arrival)
+        system.offline_stream = True
         for mode in ("offline", "online", "concurrent"):
             run = system.run(workload, mode)
-            assert [r.num_output_tokens for r in run.records] == lengths
+            assert run.streams and [r.num_output_tokens for r in run.records] == lengths
             for record, arrival in zip(run.records, workload.arrivals(mode)):
                 assert len(record.token_times) == record.expected_tokens
                 assert record.token_times == sorted(record.token_times)
