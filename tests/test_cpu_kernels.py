@@ -136,7 +136,8 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
     """K and V read in place from a fused QKV output (strided rows) land where index_copy_ puts them; a slot of
-    -1 writes nothing; transposed views are declined (the caller copies); a slot past the pool is an error."""
+    -1 writes nothing; transposed views are declined (the caller copies); a slot past the pool is an error. Rows
+    of 3 x 16 fp32 are 3 whole cache lines (streaming stores), of bf16 one and a half (plain copies)."""
     torch.manual_seed(4)
     blocks, block_size, heads, dim, tokens = 9, 4, 3, 16, 7
     qkv = torch.randn(tokens, (6 + 2 * heads) * dim).to(dtype)
