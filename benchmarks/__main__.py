@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--stream-interval", type=int,
                         help="our engine's and server's stream_interval: tokens per streamed delta after the first "
                              "(default 1)")
+    parser.add_argument("--rounds", type=int,
+                        help="run the systems this many times in turn; ratios per round and their median (default 1)")
     parser.add_argument("--served-offline-stream", action="store_true",
                         help="the server's offline run streams every token (default: whole answers, stream false)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
@@ -47,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
-                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "output_dir"):
+                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

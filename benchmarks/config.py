@@ -47,6 +47,9 @@ class BenchConfig:
         served_offline_stream: the server's offline run streams every token as the online runs do; by default
             it asks for whole answers (``stream`` false: one response per request), as a batch client would and
             as vLLM's offline ``LLM.generate`` returns them.
+        rounds: runs of every selected system, in turn (engine, vllm, engine, vllm, ...): a machine whose speed
+            drifts between minutes (shared memory bandwidth) moves neighbouring runs together, so the reported
+            ratios are each round's and their median.
         output_dir: where the JSON, markdown and PNGs go.
         progress: show tqdm progress bars.
     """
@@ -75,6 +78,7 @@ class BenchConfig:
     ceiling_steps: int = 16
     stream_interval: int = 1
     served_offline_stream: bool = False
+    rounds: int = 1
     output_dir: str = "results/bench"
     quick: bool = False
     progress: bool = True
@@ -89,7 +93,7 @@ class BenchConfig:
         if not self.systems or not self.modes:
             raise ValueError("choose at least one system and one mode")
         for name in ("num_requests", "threads", "static_batch", "max_num_seqs", "max_num_batched_tokens",
-                     "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval", "concurrency"):
+                     "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not (0 < self.rate < math.inf):

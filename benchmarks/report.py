@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from benchmarks.config import MODES, SYSTEMS
@@ -42,28 +43,50 @@ DEFINITIONS = {
 
 
 def build_report(config: dict, machine: dict, workload: dict, runs: list[dict], skipped: dict[str, str]) -> dict:
-    runs = sorted(runs, key=lambda r: (SYSTEMS.index(r["system"]), MODES.index(r["mode"])))
+    """The report's data. With several rounds (``run["round"]``), each ratio is the median of the rounds' own
+    ratios (``ratios_by_round`` lists them), each taken between runs made minutes apart."""
+    runs = sorted(runs, key=lambda r: (SYSTEMS.index(r["system"]), MODES.index(r["mode"]), r.get("round", 0)))
     modes = list(dict.fromkeys(run["mode"] for run in runs))
-    ratios = {mode: _ratios(runs, mode) for mode in modes}
-    return {"config": config, "machine": machine, "workload": workload, "runs": runs, "skipped": skipped,
-            "ratios": ratios, "targets": _targets(runs, ratios), "checks": _checks(runs, workload),
-            "definitions": DEFINITIONS}
+    by_round = {mode: _ratios_by_round(runs, mode) for mode in modes}
+    ratios = {mode: {key: _median(values) for key, values in by_round[mode].items()} for mode in modes}
+    report = {"config": config, "machine": machine, "workload": workload, "runs": runs, "skipped": skipped,
+              "ratios": ratios, "targets": _targets(runs, ratios), "checks": _checks(runs, workload),
+              "definitions": DEFINITIONS}
+    if _num_rounds(runs) > 1:
+        report["ratios_by_round"] = by_round
+    return report
 
 
-def _tokens_per_s(runs: list[dict], system: str, mode: str) -> float | None:
+def _num_rounds(runs: list[dict]) -> int:
+    return 1 + max((r.get("round", 0) for r in runs), default=0)
+
+
+def _tokens_per_s(runs: list[dict], system: str, mode: str, round_index: int) -> float | None:
+    """``system``'s tokens/s in ``mode`` and that round (a system measured once, the ceiling, counts in every
+    round)."""
     system, _, field = system.partition(":")
-    for run in runs:
-        if run["system"] == system and run["mode"] == mode:
+    matches = [r for r in runs if r["system"] == system and r["mode"] == mode]
+    for run in matches:
+        if run.get("round", 0) == round_index or len(matches) == 1:
             return run[field or "output_tokens_per_s"]
     return None
 
 
-def _ratios(runs: list[dict], mode: str) -> dict:
+def _ratios_by_round(runs: list[dict], mode: str) -> dict[str, list[float]]:
+    """Per ratio, its value in each round where both systems ran."""
     out = {}
     for key, num, den, _ in RATIOS:
-        a, b = _tokens_per_s(runs, num, mode), _tokens_per_s(runs, den, mode)
-        out[key] = a / b if a and b else None
+        values = []
+        for round_index in range(_num_rounds(runs)):
+            a, b = _tokens_per_s(runs, num, mode, round_index), _tokens_per_s(runs, den, mode, round_index)
+            if a and b:
+                values.append(a / b)
+        out[key] = values
     return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _targets(runs: list[dict], ratios: dict) -> list[dict]:
@@ -81,8 +104,9 @@ def _targets(runs: list[dict], ratios: dict) -> list[dict]:
 def _checks(runs: list[dict], workload: dict) -> dict:
     """Every system produced exactly the workload's output lengths (naive: over the requests it ran)."""
     served = [r for r in runs if r["system"] != "ceiling"]
-    exact = {f"{r['system']}/{r['mode']}": r["output_tokens"] == r["expected_tokens"] for r in served}
-    full = {f"{r['system']}/{r['mode']}": r["expected_tokens"] == workload["total_output_tokens"] for r in served}
+    name = lambda r: f"{r['system']}/{r['mode']}" + (f"/round {r['round'] + 1}" if r.get("round") else "")  # noqa: E731
+    exact = {name(r): r["output_tokens"] == r["expected_tokens"] for r in served}
+    full = {name(r): r["expected_tokens"] == workload["total_output_tokens"] for r in served}
     return {"tokens_exact": exact, "covers_whole_workload": full, "all_tokens_exact": all(exact.values()),
             "same_first_tokens_as_vllm": _agreement(runs)}
 
@@ -135,6 +159,7 @@ def markdown(report: dict) -> str:
         "| E2E p50 / p99 (s) | Mean batch | Preemptions | KV stored/reserved (waste) | Load avg before/after |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rounds = _num_rounds(report["runs"])
     for r in report["runs"]:
         if r["system"] == "ceiling":
             lines.append(f"| {LABELS['ceiling']}, decode only | {r['mode']} | | | {r['output_tokens_per_s']:.1f} | | | "
@@ -149,8 +174,9 @@ def markdown(report: dict) -> str:
         kv = r.get("kv")
         kv_text = f"{kv['stored_per_reserved']:.3f} ({kv['waste_pct']:.1f}%)" if kv else "n/a"
         ttft = _pair(r["ttft_s_p50"], r["ttft_s_p99"], "{:.2f}") + ("" if r["streams"] else " (=E2E)")
+        label = LABELS[r["system"]] + (f" (round {r['round'] + 1})" if rounds > 1 else "")
         lines.append(
-            f"| {LABELS[r['system']]} | {r['mode']} | {r['requests']} | {r['output_tokens']} | "
+            f"| {label} | {r['mode']} | {r['requests']} | {r['output_tokens']} | "
             f"{r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.3f} | {ttft} | "
             f"{_pair(r['itl_ms_p50'], r['itl_ms_p99'], '{:.0f}')} | {_pair(r['e2e_s_p50'], r['e2e_s_p99'], '{:.2f}')} | "
             f"{_num(r['mean_batch'], '{:.1f}')} | {_num(r['preemptions'], '{}')} | {kv_text} | "
@@ -158,7 +184,11 @@ def markdown(report: dict) -> str:
     lines += ["", "Ratios of output tokens/s:", "", "| Mode | " + " | ".join(k for k, *_ in RATIOS) + " |",
               "|---|" + "---:|" * len(RATIOS)]
     for mode, ratios in report["ratios"].items():
-        lines.append(f"| {mode} | " + " | ".join(_ratio(ratios[k], k) for k, *_ in RATIOS) + " |")
+        per_round = report.get("ratios_by_round", {}).get(mode, {})
+        lines.append(f"| {mode} | " + " | ".join(_ratio(ratios[k], k) + _rounds_text(per_round.get(k), k)
+                                                 for k, *_ in RATIOS) + " |")
+    if rounds > 1:
+        lines += ["", f"{rounds} rounds: each ratio is the median of the rounds' ratios (in brackets, round by round)."]
     lines += ["", "Targets (offline runs; KV waste on every engine run):", "", "| Target | Wanted | Measured | Met |",
               "|---|---|---:|---|"]
     for t in report["targets"]:
@@ -184,6 +214,10 @@ def markdown(report: dict) -> str:
 
         lines += prefix_markdown(report["prefix_cache"])
     return "\n".join(lines) + "\n"
+
+
+def _rounds_text(values: list[float] | None, key: str) -> str:
+    return f" ({', '.join(_ratio(v, key) for v in values)})" if values and len(values) > 1 else ""
 
 
 def _range(stats: dict) -> str:

@@ -64,36 +64,13 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runs, skipped = [], {}
 
-    for name in [s for s in config.systems if s not in ("ceiling", "prefix_cache")]:
-        log.info("%s: starting", name)
-        try:
-            system = _build(name, config, model_dir, workload, pad)
-        except Exception as exc:  # e.g. no tritonserver here: say so and go on
-            skipped[name] = f"could not start: {_one_line(exc)}"
-            log.warning("%s skipped: %s", name, skipped[name])
-            continue
-        try:
-            for mode in [m for m in config.modes if m in getattr(system, "modes", MODES)]:
-                requests = workload.head(config.max_requests(name, mode))
-                load_before = load_average()
-                summary = summarize(system.run(requests, mode))
-                summary.update(loadavg_before=load_before, loadavg_after=load_average())
-                if len(requests.requests) < len(workload.requests):
-                    summary["notes"].append(f"{mode}: ran the first {len(requests.requests)} of "
-                                            f"{len(workload.requests)} requests (by arrival); figures are over "
-                                            f"those, not extrapolated")
-                runs.append(summary)
-                log.info("%s %s: %.1f tokens/s", name, mode, summary["output_tokens_per_s"])
-        except Exception as exc:  # keep what the other systems measured; the report says what failed
-            log.exception("%s failed", name)
-            skipped[name] = f"failed: {_one_line(exc)}"
-        finally:
-            system.close()
-            del system
-            gc.collect()
-
-        if name == "engine" and "ceiling" in config.systems:  # right after: the same load on the machine
-            runs += _ceilings(config, model_dir, tokenizer, workload, runs)
+    names = [s for s in config.systems if s not in ("ceiling", "prefix_cache")]
+    for round_index in range(config.rounds):
+        for name in names:
+            if name not in skipped:
+                runs += _run_system(name, round_index, config, model_dir, workload, pad, skipped)
+            if name == "engine" and "ceiling" in config.systems and round_index == 0:  # right after: the same load
+                runs += _ceilings(config, model_dir, tokenizer, workload, runs)
     if "ceiling" in config.systems and not any(r["system"] == "ceiling" for r in runs):
         runs += _ceilings(config, model_dir, tokenizer, workload, runs)
 
@@ -114,6 +91,40 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     write_json(report, out / "report.json")
     (out / "report.md").write_text(markdown(report))
     return report
+
+
+def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str, workload: Workload, pad: int,
+                skipped: dict[str, str]) -> list[dict]:
+    """Builds ``name``, runs it once per mode, closes it; its summaries (``round`` set), or none with the reason in
+    ``skipped``."""
+    log.info("%s: starting%s", name, f" (round {round_index + 1} of {config.rounds})" if config.rounds > 1 else "")
+    try:
+        system = _build(name, config, model_dir, workload, pad)
+    except Exception as exc:  # e.g. no tritonserver here: say so and go on
+        skipped[name] = f"could not start: {_one_line(exc)}"
+        log.warning("%s skipped: %s", name, skipped[name])
+        return []
+    runs = []
+    try:
+        for mode in [m for m in config.modes if m in getattr(system, "modes", MODES)]:
+            requests = workload.head(config.max_requests(name, mode))
+            load_before = load_average()
+            summary = summarize(system.run(requests, mode))
+            summary.update(loadavg_before=load_before, loadavg_after=load_average(), round=round_index)
+            if len(requests.requests) < len(workload.requests):
+                summary["notes"].append(f"{mode}: ran the first {len(requests.requests)} of "
+                                        f"{len(workload.requests)} requests (by arrival); figures are over "
+                                        f"those, not extrapolated")
+            runs.append(summary)
+            log.info("%s %s: %.1f tokens/s", name, mode, summary["output_tokens_per_s"])
+    except Exception as exc:  # keep what the other systems measured; the report says what failed
+        log.exception("%s failed", name)
+        skipped[name] = f"failed: {_one_line(exc)}"
+    finally:
+        system.close()
+        del system
+        gc.collect()
+    return runs
 
 
 def max_model_len(model_dir: str) -> int:

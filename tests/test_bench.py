@@ -218,3 +218,22 @@ def test_prefix_cache_section_is_consistent(report):
     assert on["prefix_cache_hits"] >= (requests - 1) * (prefix // 16) * 16
     assert result["ttft_p50_speedup"] == pytest.approx(off["ttft_p50_s"] / on["ttft_p50_s"])
     assert "## Prefix caching" in (Path(report["files"][1])).read_text()
+
+
+def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ratio(tiny_model_dir, tmp_path):
+    from benchmarks.runner import run_benchmark
+
+    config = tiny_config(tiny_model_dir, tmp_path, systems=("static", "engine"), modes=("offline",), rounds=3)
+    report = run_benchmark(config)
+    runs = [(r["system"], r["round"]) for r in report["runs"]]
+    assert sorted(runs) == sorted((s, i) for s in ("static", "engine") for i in range(3))
+    per_round = report["ratios_by_round"]["offline"]["engine_vs_static"]
+    rate = {(r["system"], r["round"]): r["output_tokens_per_s"] for r in report["runs"]}
+    assert per_round == pytest.approx([rate["engine", i] / rate["static", i] for i in range(3)])
+    assert report["ratios"]["offline"]["engine_vs_static"] == pytest.approx(sorted(per_round)[1])
+    assert report["checks"]["all_tokens_exact"] and len(report["checks"]["tokens_exact"]) == 6
+    text = (tmp_path / "report.md").read_text()
+    assert "ours, in process (round 3)" in text and "3 rounds: each ratio is the median" in text
+    assert parse_args(["--rounds", "2"]).rounds == 2
+    with pytest.raises(ValueError, match="rounds"):
+        BenchConfig(rounds=0)
