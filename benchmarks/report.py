@@ -62,12 +62,10 @@ def _num_rounds(runs: list[dict]) -> int:
 
 
 def _tokens_per_s(runs: list[dict], system: str, mode: str, round_index: int) -> float | None:
-    """``system``'s tokens/s in ``mode`` and that round (a system measured once, the ceiling, counts in every
-    round)."""
+    """``system``'s tokens/s in ``mode`` and that round (a run without one, the ceiling's, counts in every round)."""
     system, _, field = system.partition(":")
-    matches = [r for r in runs if r["system"] == system and r["mode"] == mode]
-    for run in matches:
-        if run.get("round", 0) == round_index or len(matches) == 1:
+    for run in runs:
+        if run["system"] == system and run["mode"] == mode and run.get("round", round_index) == round_index:
             return run[field or "output_tokens_per_s"]
     return None
 
