@@ -237,3 +237,30 @@ def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ra
     assert parse_args(["--rounds", "2"]).rounds == 2
     with pytest.raises(ValueError, match="rounds"):
         BenchConfig(rounds=0)
+
+
+def test_memory_floor_counts_every_weight_and_each_cached_token_once_a_step(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.memory_floor import run, weight_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = model.config
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # a tied embedding counts once
+    read = matrices - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)  # its rows: not read
+    assert weight_bytes(cfg, 4) == 4 * read
+    config = tiny_config(tiny_model_dir, tmp_path, dtype="float32")
+    result = run(config)
+    steps = sum(p.steps for p in result.phases.values())
+    assert steps > 0 and result.seconds > 0 and result.weight_bytes_per_step == weight_bytes(cfg, 4)
+    kv_tokens, rest = divmod(result.bytes - steps * result.weight_bytes_per_step, result.kv_bytes_per_token)
+    assert rest == 0
+    from transformers import AutoTokenizer
+
+    from benchmarks.workload import make_workload
+
+    requests = make_workload(AutoTokenizer.from_pretrained(tiny_model_dir), config).requests
+    # after its prompt, each of a request's later steps reads at least its prompt and at most its whole context
+    assert sum(len(r.prompt_ids) * (r.output_len - 1) for r in requests) <= kv_tokens
+    assert kv_tokens <= sum((len(r.prompt_ids) + r.output_len) * r.output_len for r in requests)
+    assert "At 18 GB/s these bytes take at least" in result.markdown(18.0)
