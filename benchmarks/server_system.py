@@ -151,9 +151,10 @@ class ServerSystem:
                 now = time.perf_counter()
                 if error is not None:
                     raise RuntimeError(str(error))
-                rec.num_output_tokens += result.as_numpy("output_ids").size
+                new_tokens = result.as_numpy("output_ids").size
+                rec.num_output_tokens += new_tokens
                 if stream:
-                    rec.token_times += [now] * result.as_numpy("output_ids").size
+                    rec.token_times += [now] * new_tokens
                 rec.finish = now
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
