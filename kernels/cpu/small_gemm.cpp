@@ -105,6 +105,22 @@ inline void tile_multi(const bf16* const* a, int64_t K, const bf16* w, int64_t s
 
 using MultiFn = void (*)(const bf16* const*, int64_t, const bf16*, int64_t, float*);
 
+// One output row of a block: dst[0..16) = bf16(row[0..16) + bias), rounded to nearest even exactly as
+// from_float<bf16> rounds, 16 lanes at once (GCC left the scalar loop with its bias test unvectorized): a step's
+// 121 GEMMs, medians of 12-16 with the builds alternating, 8 rows 23.2 -> 21.0 ms, 16 rows 25.2 -> 24.2, 48 rows
+// 42.4 -> 40.2; bit-identical.
+inline void store_row16(bf16* dst, const float* row, const bf16* bias) {
+  __m512 v = _mm512_load_ps(row);
+  if (bias) {
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias)));
+    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+  }
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
 // `tile_multi` for one pass of `chunks` (1 or 2) 16-row tiles over `blocks` (1-3) blocks.
 MultiFn pick_multi(int64_t chunks, int64_t blocks) {
   static constexpr MultiFn one[3] = {tile_multi<1, 1>, tile_multi<1, 2>, tile_multi<1, 3>};
@@ -268,9 +284,7 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
           for (int64_t m = 0; m < M; ++m) {
             const int64_t i = m / 16;  // the row's chunk: in pass i / 2, C tile (i % 2) * count + j of it
             const float* row = c + ((i / 2) * 6 + (i % 2) * count + j) * 256 + (m % 16) * 16;
-            bf16* dst = ys + m * N + (nb + j) * 16;
-            const bf16* bias_j = bs ? bs + (nb + j) * 16 : nullptr;
-            for (int n = 0; n < 16; ++n) dst[n] = from_float<bf16>(row[n] + (bias_j ? to_float(bias_j[n]) : 0.f));
+            store_row16(ys + m * N + (nb + j) * 16, row, bs ? bs + (nb + j) * 16 : nullptr);
           }
         }
       }
