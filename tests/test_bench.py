@@ -240,7 +240,7 @@ def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ra
 
 
 def test_memory_floor_counts_every_weight_and_each_cached_token_once_a_step(tiny_model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.memory_floor import run, weight_bytes
 
@@ -255,10 +255,6 @@ def test_memory_floor_counts_every_weight_and_each_cached_token_once_a_step(tiny
     assert steps > 0 and result.seconds > 0 and result.weight_bytes_per_step == weight_bytes(cfg, 4)
     kv_tokens, rest = divmod(result.bytes - steps * result.weight_bytes_per_step, result.kv_bytes_per_token)
     assert rest == 0
-    from transformers import AutoTokenizer
-
-    from benchmarks.workload import make_workload
-
     requests = make_workload(AutoTokenizer.from_pretrained(tiny_model_dir), config).requests
     # after its prompt, each of a request's later steps reads at least its prompt and at most its whole context
     assert sum(len(r.prompt_ids) * (r.output_len - 1) for r in requests) <= kv_tokens
