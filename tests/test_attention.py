@@ -13,19 +13,20 @@ from kernels import reference
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 64, 4, 2, 6, 8
 
 
-def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM, num_heads: int = NUM_HEADS):
+def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM, num_heads: int = NUM_HEADS,
+                  block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS):
     """Random pool, scattered block tables padded with block 0, and the engine's key mask."""
     gen = torch.Generator().manual_seed(seed)
-    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen)
-    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, generator=gen)
-    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
-    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    key_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen)
+    max_blocks = -(-max(seq_lens) // block_size)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
     for i, n in enumerate(seq_lens):
-        used = -(-n // BLOCK_SIZE)
+        used = -(-n // block_size)
         tables[i, :used] = torch.tensor([order.pop() for _ in range(used)])
     lens = torch.tensor(seq_lens)
-    mask = (torch.arange(max_blocks * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
+    mask = (torch.arange(max_blocks * block_size)[None, :] < lens[:, None])[:, None, None, :]
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     return query, key_cache, value_cache, tables, lens, mask
 
@@ -78,11 +79,28 @@ def test_cpu_kernel_covers_every_query_group_size(dtype, head_dim, group):
     _check_cpu_kernel([1, 17, 40, 9, 33, 2, 16, 64], dtype, head_dim, num_heads=group * NUM_KV_HEADS)
 
 
-def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, num_heads: int = NUM_HEADS) -> None:
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_cpu_kernel_scores_bf16_on_amx_tiles_like_the_reference(block_size, head_dim, group):
+    """bf16 with blocks of whole 16-token tiles takes the AMX kernel where the CPU has AMX (keys loaded as tiles
+    from the blocks, every query head of a task in one score tile): the same results as the reference, for
+    contexts ending anywhere in a tile, tasks of one KV head (batch 2) and of all of them (batch 8)."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    for seq_lens in ([1, 15, 16, 17, 31, 33, 64, 100], [47, 2]):
+        _check_cpu_kernel(seq_lens, torch.bfloat16, head_dim, num_heads=group * NUM_KV_HEADS, block_size=block_size)
+
+
+def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, num_heads: int = NUM_HEADS,
+                      block_size: int = BLOCK_SIZE) -> None:
     import kernels.cpu
 
     query, key_cache, value_cache, tables, lens, _ = decode_inputs(seq_lens, seed=3, head_dim=head_dim,
-                                                                   num_heads=num_heads)
+                                                                   num_heads=num_heads, block_size=block_size,
+                                                                   num_blocks=max(NUM_BLOCKS, 4 * 112 // block_size * 8))
     query, key_cache, value_cache = query.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
     got = kernels.cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
     for i, n in enumerate(seq_lens):

@@ -8,6 +8,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LLM_HAVE_AMX 1
+#else
+#define LLM_HAVE_AMX 0
+#endif
+
 namespace llm_cpu {
 
 // bfloat16 values are handled as their raw bits: the compiler vectorizes loads, stores and conversions of
@@ -59,6 +68,27 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+#if LLM_HAVE_AMX
+// The tile configuration `_tile_loadconfig` reads (palette 1): bytes per row and rows of each of the 8 tiles.
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
+// Whether this build and this process can use AMX tiles (Linux grants the tile state on request, once).
+inline bool amx_usable() {
+#if LLM_HAVE_AMX
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return false;
+#endif
 }
 
 // Calls body(T* tag) with the C++ element type of a float32, bfloat16 (as bf16 bits) or float16 tensor.

@@ -12,17 +12,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define LLM_HAVE_AMX 1
-#else
-#define LLM_HAVE_AMX 0
-#endif
 #if defined(__AVX512F__)
 #define LLM_HAVE_AVX512 1
 #else
@@ -37,13 +30,6 @@ constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a 
 constexpr int64_t MULTI_BLOCKS = 3;  // blocks per `tile_multi` pass (2 chunks x 3 blocks: 6 C tiles)
 
 #if LLM_HAVE_AMX
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // At most 16 rows: C 0 and A 4 configured with the rows there are, B 5 (weights).
 inline void tile_block(const bf16* x, int64_t K, const bf16* w, float* c) {
@@ -169,12 +155,7 @@ inline void fma_rows(int64_t rows, const float* x, int64_t K, const float* w, in
 // once) or for fp32 (AVX-512) weights.
 bool small_gemm_available(bool bf16) {
   if (!bf16) return LLM_HAVE_AVX512;
-#if LLM_HAVE_AMX
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-#else
-  return false;
-#endif
+  return llm_cpu::amx_usable();
 }
 
 // weight [N, K], N % 16 == 0 -> bf16 (K % 32 == 0): [N / 16, K / 2, 16, 2], for each 16 outputs every pair of
