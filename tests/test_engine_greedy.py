@@ -174,3 +174,37 @@ def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo
     again = check_all(engine, reference, [p + [11, 12, 13] for p in prompts], 8, "hd64 prefix hits")
     assert sum(rows) > 0
     assert any(out.num_cached_tokens > 0 for outs in again.values() for out in outs)
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16")])
+def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, monkeypatch, make_engine, tmp_path,
+                                                              tokenizer):
+    """Decode steps run every layer in one C++ call (kernels.cpu.decode_layers): each such step is also run through
+    the Python layer loop first (its KV writes are the same values to the same slots), and the logits must be
+    equal bit for bit; with a QKV bias (qwen2), in fp32 and bf16, over steps whose batch grows and shrinks."""
+    import torch
+
+    model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
+    engine = make_engine(model_dir, dtype=dtype, num_blocks=64, max_num_batched_tokens=64)
+    decoder = engine.model_runner.decoder
+    if not decoder.decode_in_one_call:
+        pytest.skip("no C++ kernels or small-batch GEMMs on this machine")
+    forward, steps = type(decoder).forward, []
+
+    def both(self, input_ids, positions, meta, logits_rows):
+        if not self._decodes_in_one_call(meta, input_ids.shape[0]):
+            return forward(self, input_ids, positions, meta, logits_rows)
+        self.decode_in_one_call = False
+        want = forward(self, input_ids, positions, meta, logits_rows)
+        self.decode_in_one_call = True
+        got = forward(self, input_ids, positions, meta, logits_rows)
+        steps.append((input_ids.shape[0], torch.equal(got, want)))
+        return got
+
+    monkeypatch.setattr(type(decoder), "forward", both)
+    prompts = mixed_prompts(tokenizer, [3, 30, 12, 47, 5], seed=5)
+    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=6 + 5 * i, **GREEDY), request_id=str(i))
+             for i, p in enumerate(prompts)}
+    run_to_completion(engine, sinks)
+    assert len({rows for rows, _ in steps}) >= 3, steps  # decode batches of several sizes went through it
+    assert all(equal for _, equal in steps), steps

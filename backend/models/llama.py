@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention import AttentionMetadata, paged_attention
-from backend.models.layers import Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
+from backend.attention import AttentionMetadata, TorchAttentionMetadata, paged_attention
+from backend.models.layers import SMALL_GEMM_MAX_ROWS, Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -115,6 +115,16 @@ class LlamaDecoder(torch.nn.Module):
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
         self.register_buffer("cos_cache", cos[0].contiguous(), persistent=False)  # [max_model_len, head_dim]
         self.register_buffer("sin_cache", sin[0].contiguous(), persistent=False)
+        # Decode steps of at most 64 rows run every layer in one C++ call (kernels.cpu.decode_layers) when every
+        # GEMM has its small-batch layout and the layers have nothing it leaves out (Qwen3's q/k norms).
+        layers = list(self.layers)
+        self.decode_in_one_call = (
+            small_batch and all(layer.q_norm is None for layer in layers)
+            and all(linear.small_batch is not None for layer in layers
+                    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+            and len({norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
+            and len({layer.scale for layer in layers}) == 1)
+        self._decode_tensors: tuple[object, list[torch.Tensor]] | None = None  # (kv_caches, their list)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_rows: torch.Tensor) -> torch.Tensor:
@@ -129,9 +139,37 @@ class LlamaDecoder(torch.nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos = self.cos_cache.index_select(0, positions)  # [num_tokens, head_dim]
         sin = self.sin_cache.index_select(0, positions)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        if self._decodes_in_one_call(meta, hidden.shape[0]):
+            import kernels.cpu
+
+            first = self.layers[0]
+            hidden, residual = kernels.cpu.decode_layers(
+                hidden, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                self._decode_layer_tensors(meta.kv_caches), first.num_heads, first.num_kv_heads, first.head_dim,
+                first.input_layernorm.eps, first.scale)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden = hidden.index_select(0, logits_rows)
         hidden, _ = self.norm(hidden, residual.index_select(0, logits_rows))
         return self.lm_head(hidden)
+
+    def _decodes_in_one_call(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A step for ``kernels.cpu.decode_layers``: only single-token rows, at most 64, on the C++ kernels."""
+        return (self.decode_in_one_call and isinstance(meta, TorchAttentionMetadata) and meta.cpu_kernel
+                and not meta.prefills and meta.num_decodes == num_tokens and 0 < num_tokens <= SMALL_GEMM_MAX_ROWS)
+
+    def _decode_layer_tensors(self, kv_caches) -> list[torch.Tensor]:
+        """The per-layer tensors ``kernels.cpu.decode_layers`` takes, built once per KV pool."""
+        if self._decode_tensors is None or self._decode_tensors[0] is not kv_caches:
+            none = self.embed_tokens.weight.new_empty(0)
+            tensors = []
+            for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+                tensors += [layer.input_layernorm.weight, layer.qkv_proj.small_batch,
+                            none if layer.qkv_proj.bias is None else layer.qkv_proj.bias, layer.o_proj.small_batch,
+                            none if layer.o_proj.bias is None else layer.o_proj.bias,
+                            layer.post_attention_layernorm.weight, layer.gate_up_proj.small_batch,
+                            layer.down_proj.small_batch, key_cache, value_cache]
+            self._decode_tensors = (kv_caches, tensors)
+        return self._decode_tensors[1]

@@ -8,6 +8,8 @@
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
 - ``argmax_rows``: greedy picks read in the model's dtype (no fp32 copy of the logits).
 - ``bind_threads``: pins the OpenMP threads of the calling thread's team to given CPUs.
+- ``decode_layers``: a decode step's decoder layers (at most 64 rows, weights in ``small_gemm``'s layout) in one
+  call, the kernels above in the order the Python layer loop runs them.
 - ``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``: the elementwise parts of a
   Llama-family layer, one pass each instead of eager torch's chains of small operations (on two cores at
   batch 64 those chains cost more than the GEMMs). Each rounds where transformers' modules round, so bf16
@@ -32,13 +34,13 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", "rms_norm.cpp", "rotary.cpp",
-           "activation.cpp", "threads.cpp", "argmax.cpp")
+           "activation.cpp", "threads.cpp", "argmax.cpp", "decoder_layers.cpp")
 # -fno-trapping-math lets loops that convert floats to integers (the exp below) vectorize; 512-bit vectors
 # measured 10-20% faster than GCC's default 256 on the elementwise kernels (AMX Xeon).
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-mprefer-vector-width=512", "-fopenmp"]
 FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "small_gemm_available",
              "small_gemm_pack", "small_gemm", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-             "silu_and_mul",
+             "silu_and_mul", "decode_layers",
              "bind_threads", "argmax_rows", "exit_when_orphaned"]
 
 
@@ -259,6 +261,35 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
     _module().silu_and_mul(out, gate_up)
     return out
+
+
+DECODE_LAYER_TENSORS = 10  # decoder_layers.cpp
+
+
+def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, layers: list[torch.Tensor], num_heads: int,
+                  num_kv_heads: int, head_dim: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's decoder layers in one call (Llama family, ``backend.models.llama``): per layer the residual
+    add and RMSNorm, QKV GEMM, rotary, KV write, paged decode attention, O GEMM, add and RMSNorm, gate-up GEMM,
+    SwiGLU and down GEMM, each the kernel the Python loop calls, in its order (bit-identical results).
+
+    Args:
+        hidden: ``[rows, hidden_size]`` contiguous, the token embeddings, 1 <= rows <= 64.
+        cos, sin: ``[rows, head_dim]`` contiguous; slot_mapping ``[rows]``, block_tables ``[rows, max_blocks]``,
+            seq_lens ``[rows]`` (context including the new token): int64, contiguous.
+        layers: :data:`DECODE_LAYER_TENSORS` per layer: input norm weight, QKV packed (:func:`small_gemm_pack`),
+            QKV bias (empty tensor: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
+            packed, down packed, key cache, value cache.
+        eps: the norms' epsilon; scale: the attention's softmax scale.
+
+    Returns:
+        ``(hidden, residual)`` after the last layer, ``[rows, hidden_size]`` each.
+
+    Raises:
+        RuntimeError: the extension could not be built, or shapes / dtypes / layouts do not match.
+    """
+    return _module().decode_layers(hidden, cos, sin, slot_mapping, block_tables, seq_lens, layers, num_heads,
+                                   num_kv_heads, head_dim, eps, scale)
 
 
 def bind_threads(cpus: list[int]) -> None:
