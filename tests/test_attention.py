@@ -113,9 +113,11 @@ def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, nu
         torch.testing.assert_close(got[i].float(), want, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,block_size", [(torch.float32, BLOCK_SIZE), (torch.bfloat16, BLOCK_SIZE),
+                                              (torch.bfloat16, 16), (torch.bfloat16, 32)])  # bf16, 16 | block: AMX
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_prefill_kernel_is_causal_over_prefix_and_new_rows_like_the_reference(dtype, head_dim):
+@pytest.mark.parametrize("group", [3, 8])  # query heads per KV head: a task's 16 columns span rows
+def test_cpu_prefill_kernel_is_causal_over_prefix_and_new_rows_like_the_reference(dtype, block_size, head_dim, group):
     """kernels/cpu's prefill attention (several sequences in one call) equals a per-sequence causal softmax over
     scattered blocks: whole prompts, chunks after a cached prefix (rows start past position 0), row counts
     around the kernel's 16-row blocks, one-row chunks, GQA."""
@@ -125,24 +127,26 @@ def test_cpu_prefill_kernel_is_causal_over_prefix_and_new_rows_like_the_referenc
         pytest.skip("no C++ compiler on this machine")
     gen = torch.Generator().manual_seed(7)
     q_lens, seq_lens = [1, 5, 16, 17, 40, 3, 33], [1, 5, 16, 30, 40, 64, 50]  # seq_len - q_len: cached prefix
-    _, key_cache, value_cache, tables, _, _ = decode_inputs(seq_lens, seed=5, head_dim=head_dim)
+    num_heads = group * NUM_KV_HEADS
+    _, key_cache, value_cache, tables, _, _ = decode_inputs(seq_lens, seed=5, head_dim=head_dim, block_size=block_size,
+                                                            num_blocks=max(NUM_BLOCKS, 4 * 64 // block_size * 8))
     key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
     # q as the compact decoder has it: a view of the fused QKV output (rows padded by the K and V columns)
-    qkv = torch.randn(sum(q_lens), (NUM_HEADS + 2 * NUM_KV_HEADS) * head_dim, generator=gen).to(dtype)
-    query = qkv[:, :NUM_HEADS * head_dim].view(sum(q_lens), NUM_HEADS, head_dim)
+    qkv = torch.randn(sum(q_lens), (num_heads + 2 * NUM_KV_HEADS) * head_dim, generator=gen).to(dtype)
+    query = qkv[:, :num_heads * head_dim].view(sum(q_lens), num_heads, head_dim)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    out = torch.full((sum(q_lens), NUM_HEADS, head_dim), float("nan"), dtype=dtype)
+    out = torch.full((sum(q_lens), num_heads, head_dim), float("nan"), dtype=dtype)
     assert kernels.cpu.paged_prefill_attention(query, key_cache, value_cache, tables, cu, torch.tensor(seq_lens),
                                                0.3, out=out)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (n, total) in enumerate(zip(q_lens, seq_lens)):
         keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:total].float()
         values = value_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:total].float()
-        q = query[cu[i]:cu[i + 1]].float().view(n, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, head_dim)
+        q = query[cu[i]:cu[i + 1]].float().view(n, NUM_KV_HEADS, group, head_dim)
         scores = torch.einsum("rhgd,thd->rhgt", q, keys) * 0.3
         visible = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]  # [rows, keys]
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        want = torch.einsum("rhgt,thd->rhgd", scores.softmax(-1), values).reshape(n, NUM_HEADS, head_dim)
+        want = torch.einsum("rhgt,thd->rhgd", scores.softmax(-1), values).reshape(n, num_heads, head_dim)
         torch.testing.assert_close(out[cu[i]:cu[i + 1]].float(), want, atol=tolerance, rtol=tolerance)
 
 

@@ -724,6 +724,105 @@ void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_
     }
   }
 }
+#if LLM_HAVE_AMX
+// bf16 prefill with the scores on AMX tiles, as `amx_decode_kernel` does for decode: a task is one sequence's KV
+// head and 16 of its query vectors (vector v: query row v / group, head v % group of the KV head), the score
+// tile's 16 columns; each 16-token tile of keys is loaded as an A tile straight from its block, and the causal
+// limit is a per-column mask (column v sees keys up to its row's position). 30 layers of SmolLM2's shapes, 2
+// threads, against `prefill_tile_kernel`: 20 prompts of 100 tokens 47.4 -> 35.7 ms, 7 of 300 122.9 -> 70.8 ms.
+template <int D>
+void amx_prefill_kernel(bf16* out, const bf16* q, int64_t q_row_stride, const bf16* key_cache,
+                        const bf16* value_cache, const int64_t* block_tables, const int64_t* cu_seqlens,
+                        const int64_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int C = D / 16, STEPS = D / 32;
+  const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * D;
+  const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(bf16));
+  std::vector<int64_t> first_task(num_seqs + 1, 0);  // tasks of sequence p: [first_task[p], first_task[p + 1])
+  for (int64_t p = 0; p < num_seqs; ++p) {
+    const int64_t q_len = cu_seqlens[p + 1] - cu_seqlens[p];
+    first_task[p + 1] = first_task[p] + num_kv_heads * ((q_len * group + 15) / 16);
+  }
+  const int64_t num_tasks = first_task[num_seqs];
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks)))
+  {
+    TileConfig config;
+    for (int t = 0; t < 6; ++t) { config.rows[t] = 16; config.colsb[t] = 64; }
+    _tile_loadconfig(&config);
+    alignas(64) uint32_t qtiles[STEPS * 256];
+    alignas(64) float scores[512], p[256], alpha[16];
+    alignas(64) int32_t limits[16];
+    vf16 acc[16 * C];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const int64_t s = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const int64_t q_len = cu_seqlens[s + 1] - cu_seqlens[s], past = seq_lens[s] - q_len;
+      const int64_t chunks = (q_len * group + 15) / 16;
+      const int64_t kv_head = (task - first_task[s]) / chunks, v0 = (task - first_task[s]) % chunks * 16;
+      const int count = static_cast<int>(std::min<int64_t>(16, q_len * group - v0));
+      const int64_t* table = block_tables + s * max_blocks;
+      const bf16* q_rows = q + cu_seqlens[s] * q_row_stride + kv_head * group * D;
+      std::memset(qtiles, 0, sizeof(qtiles));
+      int64_t keys = 0;
+      for (int col = 0; col < 16; ++col) {
+        if (col >= count) { limits[col] = 0; continue; }
+        const int64_t v = v0 + col, row = v / group;
+        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q_rows + row * q_row_stride + (v % group) * D);
+        for (int c = 0; c < STEPS; ++c)
+          for (int r = 0; r < 16; ++r) qtiles[c * 256 + r * 16 + col] = pairs[16 * c + r];
+        limits[col] = static_cast<int32_t>(past + row + 1);
+        keys = std::max<int64_t>(keys, past + row + 1);
+      }
+      const __m512i limit = _mm512_load_si512(limits);
+      __m512 maxima = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sums = _mm512_setzero_ps();
+      for (int i = 0; i < 16 * C; ++i) acc[i] = vf16{};
+      for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, keys - t0));
+        const int64_t first_row = (table[t0 / block_size] * block_size + t0 % block_size) * row_stride + kv_head * D;
+        amx_scores<D>(key_cache + first_row, stride_bytes, reinterpret_cast<const bf16*>(qtiles), STEPS, scores);
+        __m512 rows[16];
+        __mmask16 valid[16];
+        __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int r = 0; r < n; ++r) {
+          valid[r] = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(static_cast<int>(t0 + r)));
+          rows[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid[r],
+                                       _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(scores + 16 * r),
+                                                                   _mm512_load_ps(scores + 256 + 16 * r)),
+                                                     _mm512_set1_ps(scale)));
+          tile_max = _mm512_max_ps(tile_max, rows[r]);
+        }
+        // Every column sees key 0, so after the first tile its maximum is finite; a column past its limit in
+        // this tile keeps its maximum (rescale 1) and gets probabilities of exactly 0.
+        const __m512 m = _mm512_max_ps(maxima, tile_max);
+        const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(maxima, m));
+        __m512 tile_sum = _mm512_setzero_ps();
+        for (int r = 0; r < n; ++r) {
+          const __m512 e = _mm512_maskz_mov_ps(valid[r], exp_nonpositive16(_mm512_sub_ps(rows[r], m)));
+          tile_sum = _mm512_add_ps(tile_sum, e);
+          _mm512_store_ps(p + 16 * r, e);
+        }
+        maxima = m;
+        sums = _mm512_fmadd_ps(sums, rescale, tile_sum);
+        _mm512_store_ps(alpha, rescale);
+        const bf16* value_rows[16];
+        for (int r = 0; r < n; ++r) value_rows[r] = value_cache + first_row + r * row_stride;
+        amx_pv_group<D>(count, value_rows, 0, p, alpha, 0, n, acc);
+      }
+      alignas(64) float inv[16];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sums));
+      bf16* out_rows = out + cu_seqlens[s] * num_heads * D;
+      for (int col = 0; col < count; ++col) {
+        const int64_t v = v0 + col;
+        bf16* dst = out_rows + ((v / group) * num_heads + kv_head * group + v % group) * D;
+        alignas(64) float tmp[D];
+        for (int c = 0; c < C; ++c) store_vf16(tmp + 16 * c, acc[col * C + c] * inv[col]);
+        for (int d = 0; d < D; ++d) dst[d] = from_float<bf16>(tmp[(d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2]);
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
 }  // namespace
 }  // namespace llm_cpu
 
@@ -818,6 +917,18 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
       const T* qs = reinterpret_cast<const T*>(q.data_ptr());
       const T* kc = reinterpret_cast<const T*>(key_cache.data_ptr());
       const T* vc = reinterpret_cast<const T*>(value_cache.data_ptr());
+#if LLM_HAVE_AMX
+      if constexpr (std::is_same_v<T, llm_cpu::bf16>) {
+        if (block_size % 16 == 0 && llm_cpu::amx_usable()) {
+          const auto amx = head_dim == 64 ? llm_cpu::amx_prefill_kernel<64> : llm_cpu::amx_prefill_kernel<128>;
+          amx(o, qs, q.stride(0), kc, vc, block_tables.data_ptr<int64_t>(), cu_seqlens.data_ptr<int64_t>(),
+              seq_lens.data_ptr<int64_t>(), num_seqs, num_heads, num_kv_heads, block_size, block_tables.size(1),
+              static_cast<float>(scale));
+          handled = true;
+          return;
+        }
+      }
+#endif
       const auto run = head_dim == 64 ? llm_cpu::prefill_tile_kernel<T, 64> : llm_cpu::prefill_tile_kernel<T, 128>;
       run(o, qs, q.stride(0), kc, vc, block_tables.data_ptr<int64_t>(), cu_seqlens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
           num_seqs, num_heads, num_kv_heads, block_size, block_tables.size(1), static_cast<float>(scale));
