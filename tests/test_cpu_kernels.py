@@ -160,12 +160,12 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 48, 64])
 def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
-    """The decode GEMM (bf16 on AMX, fp32 on AVX-512) against an fp64 reference and oneDNN's GEMM (what runs for
+    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512) against an fp64 reference and oneDNN's GEMM (what runs for
     larger batches): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles of rows with several blocks of
     outputs per pass (and block counts that leave a remainder), a bias, K of one and of many tiles, output counts
     that are and are not multiples of 64."""
     if not kernels.cpu.small_gemm_available(dtype):
-        pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX, fp32 AVX-512)")
+        pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX or AVX512-BF16, fp32 AVX-512)")
     torch.manual_seed(rows)
     for n, k, with_bias in ((48, 32, False), (80, 64, True), (960, 576, True), (576, 1536, False)):
         weight = (torch.randn(n, k) * 0.05).to(dtype)
@@ -182,7 +182,7 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
             assert (got != onednn).float().mean() < 1e-3
 
 
-@pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX on this CPU (or not permitted)")
+@pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX or AVX512-BF16 on this CPU")
 def test_linear_takes_the_small_gemm_up_to_64_rows_and_onednn_above():
     from backend.models.layers import Linear
 

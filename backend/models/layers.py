@@ -28,7 +28,7 @@ class Linear(torch.nn.Module):
             on non-CPU devices; on CPU the weight is reordered into oneDNN's blocked layout once.
         small_batch: also keep the weight in the layout of ``kernels.cpu.small_gemm``, which runs the GEMMs of
             decode steps (at most 64 rows) faster than oneDNN here by streaming the weights in order (bf16 on
-            AMX, fp32 on AVX-512; ignored elsewhere); a second copy of the weight.
+            AMX or AVX512-BF16, fp32 on AVX-512; ignored elsewhere); a second copy of the weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False) -> None:

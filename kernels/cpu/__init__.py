@@ -4,7 +4,8 @@
   place through the block table (no gather), fp32 softmax and accumulation.
 - ``paged_prefill_attention``: the prompt (chunk) rows of several sequences at once, causal over each one's
   cached prefix and itself, reading the blocks in place too (16-token tiles shared by 16 query rows).
-- ``small_gemm``: decode-sized GEMMs (at most 64 rows) on AMX tiles, the weights streamed from a tile layout.
+- ``small_gemm``: decode-sized GEMMs (at most 64 rows) on AMX tiles (AVX512-BF16 or AVX-512 multiply-adds without
+  AMX), the weights streamed from a tile layout.
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
 - ``argmax_rows``: greedy picks read in the model's dtype (no fp32 copy of the logits).
 - ``bind_threads``: pins the OpenMP threads of the calling thread's team to given CPUs.
@@ -153,7 +154,7 @@ SMALL_GEMM_MAX_ROWS = 64
 
 def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`small_gemm` runs here for ``dtype``: bf16 needs AMX (built for it: the compiler targets this
-    CPU; and allowed by Linux), fp32 AVX-512."""
+    CPU; and allowed by Linux) or AVX512-BF16, fp32 AVX-512."""
     module = load()
     return dtype in (torch.bfloat16, torch.float32) and module is not None \
         and module.small_gemm_available(dtype == torch.bfloat16)
@@ -166,8 +167,8 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T (+ bias)`` for at most :data:`SMALL_GEMM_MAX_ROWS` rows: bf16 on AMX tiles, fp32 with
-    AVX-512 multiply-adds, the weights streamed in order from :func:`small_gemm_pack`'s layout.
+    """``x @ weight^T (+ bias)`` for at most :data:`SMALL_GEMM_MAX_ROWS` rows: bf16 on AMX tiles (or with AVX512-BF16
+    dot products where there is no AMX), fp32 with AVX-512 multiply-adds, the weights streamed in order from :func:`small_gemm_pack`'s layout.
 
     Args:
         x: ``[M, K]`` bf16 or fp32, 1 <= M <= 64; packed: from :func:`small_gemm_pack`; bias: ``[N]`` or None.

@@ -166,6 +166,29 @@ template <int D>
 inline vf16 dot_bf16(const bf16*, const bf16*) { return vf16{}; }
 #endif
 
+// bf16 value row `row` (D dimensions) widened in registers, 32 at a time: the even dimensions by a shift, the odd
+// ones by a mask (two operations, no shuffles, nothing stored), then a[g] += p[g * p_stride] * row for NG query
+// heads. Accumulator 2c holds dimensions 32c, 32c + 2, ... and 2c + 1 the odd ones (`widened_index`); the sums and
+// their order per dimension are those of a plain fp32 pass.
+template <int D, int NG>
+inline void accumulate_value_row(const bf16* row, const float* p, int64_t p_stride, vf16 (*a)[D / 16]) {
+  constexpr int C = D / 16;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  vf16 even[C / 2], odd[C / 2];
+  for (int c = 0; c < C / 2; ++c) {
+    const __m512i raw = _mm512_loadu_si512(row + 32 * c);
+    even[c] = (vf16)_mm512_slli_epi32(raw, 16);
+    odd[c] = (vf16)_mm512_and_si512(raw, high);
+  }
+  for (int g = 0; g < NG; ++g) {
+    const float pg = p[g * p_stride];
+    for (int c = 0; c < C / 2; ++c) { a[g][2 * c] += pg * even[c]; a[g][2 * c + 1] += pg * odd[c]; }
+  }
+}
+
+// Where dimension d lies in accumulators filled by `accumulate_value_row` (stored one after another).
+constexpr int widened_index(int d) { return (d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2; }
+
 // `NG` query heads sharing one KV head against one tile of `n` (<= 16) keys, updating their running maxima, sums
 // and accumulators (online softmax). The heads go together so that their dependency chains interleave (one head
 // alone waits on its softmax, then on 16 multiply-adds in a row per accumulator): SmolLM2's groups of three, 30
@@ -227,24 +250,8 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
   vf16 a[NG][C];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = acc[g * C + c] * alpha[g];
-  if constexpr (BF16_DOT) {
-    // bf16 values widened in registers, 32 at a time: the even dimensions by a shift, the odd ones by a mask
-    // (two operations, no shuffles, nothing stored), so accumulator 2c holds dimensions 32c, 32c + 2, ... and
-    // 2c + 1 the odd ones; the sums and their order per dimension are those of a plain fp32 pass.
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int i = 0; i < n; ++i) {
-      const T* row = value_rows[i] + kv_offset;
-      vf16 even[C / 2], odd[C / 2];
-      for (int c = 0; c < C / 2; ++c) {
-        const __m512i raw = _mm512_loadu_si512(row + 32 * c);
-        even[c] = (vf16)_mm512_slli_epi32(raw, 16);
-        odd[c] = (vf16)_mm512_and_si512(raw, high);
-      }
-      for (int g = 0; g < NG; ++g) {
-        const float p = scores[g][i];
-        for (int c = 0; c < C / 2; ++c) { a[g][2 * c] += p * even[c]; a[g][2 * c + 1] += p * odd[c]; }
-      }
-    }
+  if constexpr (BF16_DOT) {  // bf16 values widened in registers (see accumulate_value_row)
+    for (int i = 0; i < n; ++i) accumulate_value_row<D, NG>(value_rows[i] + kv_offset, &scores[0][i], 16, a);
   } else {
     for (int i = 0; i < n; ++i) {
       for (int g = 0; g < NG; ++g) {
@@ -365,7 +372,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
         alignas(64) float tmp[D];
         for (int c = 0; c < C; ++c) store_vf16(tmp + 16 * c, acc[h * C + c] * inv);
         if constexpr (BF16_DOT) {  // accumulators 2c / 2c + 1: the even / odd dimensions of 32c..32c + 31
-          for (int d = 0; d < D; ++d) dst[d] = from_float<T>(tmp[(d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2]);
+          for (int d = 0; d < D; ++d) dst[d] = from_float<T>(tmp[widened_index(d)]);
         } else {
           for (int d = 0; d < D; ++d) dst[d] = from_float<T>(tmp[d]);
         }
@@ -423,23 +430,10 @@ template <int D, int NG>
 inline void amx_pv(const bf16* const* value_rows, int64_t kv_offset, const float* p, const float* alpha, int col0,
                    int n, vf16* acc) {
   constexpr int C = D / 16;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   vf16 a[NG][C];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = acc[g * C + c] * alpha[col0 + g];
-  for (int i = 0; i < n; ++i) {
-    const bf16* row = value_rows[i] + kv_offset;
-    vf16 even[C / 2], odd[C / 2];
-    for (int c = 0; c < C / 2; ++c) {
-      const __m512i raw = _mm512_loadu_si512(row + 32 * c);
-      even[c] = (vf16)_mm512_slli_epi32(raw, 16);
-      odd[c] = (vf16)_mm512_and_si512(raw, high);
-    }
-    for (int g = 0; g < NG; ++g) {
-      const float pg = p[16 * i + col0 + g];
-      for (int c = 0; c < C / 2; ++c) { a[g][2 * c] += pg * even[c]; a[g][2 * c + 1] += pg * odd[c]; }
-    }
-  }
+  for (int i = 0; i < n; ++i) accumulate_value_row<D, NG>(value_rows[i] + kv_offset, p + 16 * i + col0, 1, a);
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) acc[g * C + c] = a[g][c];
 }
@@ -548,7 +542,7 @@ void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf
         bf16* dst = out + (seq * num_heads + first_kv * group + h) * D;
         alignas(64) float tmp[D];
         for (int c = 0; c < C; ++c) store_vf16(tmp + 16 * c, acc[h * C + c] * inv[h]);
-        for (int d = 0; d < D; ++d) dst[d] = from_float<bf16>(tmp[(d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2]);
+        for (int d = 0; d < D; ++d) dst[d] = from_float<bf16>(tmp[widened_index(d)]);
       }
     }
     _tile_release();
@@ -825,7 +819,7 @@ void amx_prefill_kernel(bf16* out, const bf16* q, int64_t q_row_stride, const bf
         bf16* dst = out_rows + ((v / group) * num_heads + kv_head * group + v % group) * D;
         alignas(64) float tmp[D];
         for (int c = 0; c < C; ++c) store_vf16(tmp + 16 * c, acc[col * C + c] * inv[col]);
-        for (int d = 0; d < D; ++d) dst[d] = from_float<bf16>(tmp[(d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2]);
+        for (int d = 0; d < D; ++d) dst[d] = from_float<bf16>(tmp[widened_index(d)]);
       }
     }
     _tile_release();
