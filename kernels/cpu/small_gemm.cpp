@@ -1,4 +1,5 @@
-// GEMMs of decode steps (at most 64 rows) on AMX tiles (or vector units), streaming the weights from a layout packed for the tiles.
+// GEMMs of decode steps (at most 64 rows) on AMX tiles (or vector units), streaming the weights from a layout
+// packed for the tiles.
 // A decode step's GEMMs read every weight once and do little arithmetic per byte: they are bound by how fast the
 // weights stream from memory. oneDNN's prepacked path (used for larger batches and prompts) reaches ~14 GB/s at
 // one to 48 rows on this project's 2-core AMX Xeon; this kernel, each thread walking its own contiguous run of
