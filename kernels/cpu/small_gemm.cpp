@@ -150,18 +150,6 @@ inline void dp_block(const bf16* x, int64_t K, const bf16* w, int64_t stride, fl
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + m * 64 + 16 * j, acc[m][j]);
 }
-
-template <int NB>
-inline void dp_rows(int64_t rows, const bf16* x, int64_t K, const bf16* w, int64_t stride, float* c) {
-  switch (rows) {
-    case 1: return dp_block<1, NB>(x, K, w, stride, c);
-    case 2: return dp_block<2, NB>(x, K, w, stride, c);
-    case 3: return dp_block<3, NB>(x, K, w, stride, c);
-    case 4: return dp_block<4, NB>(x, K, w, stride, c);
-    case 5: return dp_block<5, NB>(x, K, w, stride, c);
-    default: return dp_block<6, NB>(x, K, w, stride, c);
-  }
-}
 #endif
 
 #if LLM_HAVE_AVX512
@@ -184,15 +172,16 @@ inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride,
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + m * 64 + 16 * j, acc[m][j]);
 }
 
-template <int NB>
-inline void fma_rows(int64_t rows, const float* x, int64_t K, const float* w, int64_t stride, float* c) {
+// f(std::integral_constant<int, MB>{}) for MB = rows (1 to 6): the row count of a register block as a constant.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
   switch (rows) {
-    case 1: return fma_block<1, NB>(x, K, w, stride, c);
-    case 2: return fma_block<2, NB>(x, K, w, stride, c);
-    case 3: return fma_block<3, NB>(x, K, w, stride, c);
-    case 4: return fma_block<4, NB>(x, K, w, stride, c);
-    case 5: return fma_block<5, NB>(x, K, w, stride, c);
-    default: return fma_block<6, NB>(x, K, w, stride, c);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, 6>{});
   }
 }
 #endif
@@ -245,16 +234,22 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
         const int64_t rows = std::min<int64_t>(6, M - m0);
         if constexpr (BF16) {
 #if LLM_HAVE_AVX512_BF16
-          if (nbs == 4) dp_rows<4>(rows, xs + m0 * K, K, w, K * 16, c);
-          else for (int64_t j = 0; j < nbs; ++j) dp_rows<1>(rows, xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
+          with_rows(rows, [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            if (nbs == 4) dp_block<MB, 4>(xs + m0 * K, K, w, K * 16, c);
+            else for (int64_t j = 0; j < nbs; ++j) dp_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
+          });
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t j = 0; j < nbs; ++j)
               store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, c + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
 #endif
         } else {
 #if LLM_HAVE_AVX512
-          if (nbs == 4) fma_rows<4>(rows, xs + m0 * K, K, w, K * 16, c);
-          else for (int64_t j = 0; j < nbs; ++j) fma_rows<1>(rows, xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
+          with_rows(rows, [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, w, K * 16, c);
+            else for (int64_t j = 0; j < nbs; ++j) fma_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
+          });
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t n = 0; n < 16 * nbs; ++n)
               ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
