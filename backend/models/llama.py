@@ -38,8 +38,8 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 
 
 # Up to this many bytes of weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
-# (kernels.cpu.small_gemm): that doubles the weights' memory, worth it for the small models CPUs serve; past it,
-# oneDNN runs every GEMM.
+# (kernels.cpu.small_gemm: AMX, or AVX512-BF16 / AVX-512 on the same layout): that doubles the weights' memory, worth
+# it for the small models CPUs serve; past it, oneDNN runs every GEMM.
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
 
 
