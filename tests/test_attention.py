@@ -98,9 +98,10 @@ def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, nu
                       block_size: int = BLOCK_SIZE) -> None:
     import kernels.cpu
 
+    num_blocks = max(NUM_BLOCKS, 4 * 112 // block_size * 8)
     query, key_cache, value_cache, tables, lens, _ = decode_inputs(seq_lens, seed=3, head_dim=head_dim,
                                                                    num_heads=num_heads, block_size=block_size,
-                                                                   num_blocks=max(NUM_BLOCKS, 4 * 112 // block_size * 8))
+                                                                   num_blocks=num_blocks)
     query, key_cache, value_cache = query.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
     got = kernels.cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
     for i, n in enumerate(seq_lens):

@@ -122,7 +122,8 @@ class LlamaDecoder(torch.nn.Module):
             small_batch and all(layer.q_norm is None for layer in layers)
             and all(linear.small_batch is not None for layer in layers
                     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
-            and len({norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
+            and len({norm.eps for layer in layers
+                     for norm in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
             and len({layer.scale for layer in layers}) == 1)
         self._decode_tensors: tuple[object, list[torch.Tensor]] | None = None  # (kv_caches, their list)
 

@@ -168,7 +168,8 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for at most :data:`SMALL_GEMM_MAX_ROWS` rows: bf16 on AMX tiles (or with AVX512-BF16
-    dot products where there is no AMX), fp32 with AVX-512 multiply-adds, the weights streamed in order from :func:`small_gemm_pack`'s layout.
+    dot products where there is no AMX), fp32 with AVX-512 multiply-adds, the weights streamed in order from
+    :func:`small_gemm_pack`'s layout.
 
     Args:
         x: ``[M, K]`` bf16 or fp32, 1 <= M <= 64; packed: from :func:`small_gemm_pack`; bias: ``[N]`` or None.
