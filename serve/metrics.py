@@ -58,6 +58,27 @@ def thread_cpu_seconds(names: tuple[str, ...] = THREADS) -> dict[str, float]:
     return found
 
 
+class _Written:
+    """A gauge or counter whose writes that would change nothing are skipped: each write is an IPC round trip
+    to the server (two thread wake-ups in the stub and the server each), and on a machine whose cores the
+    engine's threads fill every wake-up preempts one of them."""
+
+    __slots__ = ("metric", "value")
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self.value: float | None = None
+
+    def set(self, value: float) -> None:
+        if value != self.value:
+            self.metric.set(value)
+            self.value = value
+
+    def increment(self, delta: float) -> None:
+        if delta:
+            self.metric.increment(delta)
+
+
 class EngineMetrics:
     """Publishes an engine's stats; ``update`` is cheap enough to call after every batch of outputs.
 
@@ -78,10 +99,10 @@ class EngineMetrics:
         family.HISTOGRAM = pb_utils.MetricFamily.HISTOGRAM
 
         def gauge(name, description, **extra):
-            return family(name, description, family.GAUGE).Metric(labels={**labels, **extra})
+            return _Written(family(name, description, family.GAUGE).Metric(labels={**labels, **extra}))
 
         def counter(name, description, **extra):
-            return family(name, description, family.COUNTER).Metric(labels={**labels, **extra})
+            return _Written(family(name, description, family.COUNTER).Metric(labels={**labels, **extra}))
 
         self.running = gauge("llm_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("llm_num_requests_waiting", "Requests waiting to be scheduled")
@@ -97,7 +118,7 @@ class EngineMetrics:
         self.prefix_queries = counter("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
         finished = family("llm_request_finished_total", "Finished requests by finish_reason", family.COUNTER)
-        self.finished = {r: finished.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+        self.finished = {r: _Written(finished.Metric(labels={**labels, "finish_reason": r})) for r in FINISH_REASONS}
 
         def histogram(name, description):
             hist = family(name, description, family.HISTOGRAM)
@@ -109,15 +130,15 @@ class EngineMetrics:
 
         kv_family = family("nv_trt_llm_kv_cache_block_metrics", "KV cache block metrics (TensorRT-LLM names)",
                            family.GAUGE)
-        self.trt_kv = {t: kv_family.Metric(labels={**labels, "kv_cache_block_type": t})
+        self.trt_kv = {t: _Written(kv_family.Metric(labels={**labels, "kv_cache_block_type": t}))
                        for t in ("max", "free", "used", "tokens_per", "fraction")}
         request_family = family("nv_trt_llm_request_metrics", "Request metrics (TensorRT-LLM names)", family.GAUGE)
-        self.trt_requests = {t: request_family.Metric(labels={**labels, "request_type": t})
+        self.trt_requests = {t: _Written(request_family.Metric(labels={**labels, "request_type": t}))
                              for t in ("active", "max", "scheduled", "context", "waiting")}
         self.vllm = None
         if vllm_metrics:
             vllm_labels = {"model_name": model, "version": version}
-            self.vllm = {name: family(name, description, family.GAUGE).Metric(labels=vllm_labels)
+            self.vllm = {name: _Written(family(name, description, family.GAUGE).Metric(labels=vllm_labels))
                          for name, description in (
                              ("vllm:num_requests_waiting", "Requests waiting to be scheduled (vLLM name)"),
                              ("vllm:num_requests_running", "Requests in the running batch (vLLM name)"),
@@ -133,7 +154,7 @@ class EngineMetrics:
                                  "Responses sent to clients (a response may carry several tokens)")
         cpu = family("llm_thread_cpu_seconds_total", "CPU seconds used by the engine loop and the adapter's threads",
                      family.COUNTER)
-        self.thread_cpu = {name: cpu.Metric(labels={**labels, "thread": name}) for name in THREADS}
+        self.thread_cpu = {name: _Written(cpu.Metric(labels={**labels, "thread": name})) for name in THREADS}
         self._last_cpu: dict[str, float] = {}
         self._last_responses = 0
         self._last: EngineStats | None = None

@@ -52,6 +52,14 @@ class TritonServer:
         return self.log_path.read_text(errors="replace")
 
 
+def eventually(condition, message: str, timeout_s: float = 10.0) -> None:
+    """Polls ``condition`` every 50 ms until it holds; fails with ``message`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
