@@ -18,7 +18,7 @@ import uvicorn
 
 from openai_frontend.app import FrontendConfig, create_app
 from openai_frontend.errors import error_from_triton
-from triton_server import free_port
+from triton_server import free_port, settled
 
 PROMPT = "The three primary colors are"
 FP32 = "llm/1"  # greedy output independent of batch and prefix cache
@@ -158,7 +158,7 @@ def test_errors_have_openais_body_and_status(client, frontend):
 
 @pytest.mark.server
 def test_client_disconnect_mid_stream_cancels_the_triton_request(frontend, client, triton_server):
-    aborts = triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2")
+    aborts = settled(lambda: triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2"))
     body = {"model": "llm", "prompt": "Tell me a very long story.", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     with requests.post(f"{frontend}/v1/completions", json=body, stream=True, timeout=60) as response:
@@ -237,7 +237,7 @@ def test_make_serve_stops_tritonserver_and_the_frontend_together():
 
 @pytest.mark.server
 def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_it(frontend, triton_server):
-    aborts = triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2")
+    aborts = settled(lambda: triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2"))
     body = {"model": "llm", "prompt": "Tell me a very long story.", "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(f"{frontend}/v1/completions", json=body, timeout=(5, 1.0))

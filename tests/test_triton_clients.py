@@ -15,6 +15,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from test_triton_server import CHAT_PROMPT, PROMPT, wait_idle
+from triton_server import settled
 
 pytestmark = pytest.mark.server
 
@@ -282,8 +283,8 @@ def test_cancelled_waiting_requests_are_never_scheduled(triton_server):
     ones first), which frees the slots, yet the waiting ones must end without ever being admitted (no first
     token, so no prompt tokens counted for them)."""
     m = triton_server.metric
-    prompt_tokens_before = m("llm_prompt_tokens_total", version="1")
-    aborts_before = m("llm_request_finished_total", finish_reason="abort", version="1")
+    prompt_tokens_before, aborts_before = settled(lambda: (
+        m("llm_prompt_tokens_total", version="1"), m("llm_request_finished_total", finish_reason="abort", version="1")))
     running = [_open_stream(triton_server, f"Story {i}: once upon a time", 300) for i in range(16)]
     deadline = time.monotonic() + 60
     while m("llm_num_requests_running", version="1") < 16:

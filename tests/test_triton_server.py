@@ -14,7 +14,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from client import LLMClient, LLMError
-from triton_server import eventually
+from triton_server import eventually, settled
 
 pytestmark = pytest.mark.server
 GREEDY = dict(temperature=0.0, max_tokens=24)
@@ -96,7 +96,8 @@ def test_concurrent_requests_share_steps_and_each_gets_its_own_answer(triton_ser
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cancel_mid_stream_frees_blocks_and_server_keeps_serving(client, triton_server, protocol):
-    aborts_before = triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2")
+    aborts_before = settled(lambda: triton_server.metric("llm_request_finished_total", finish_reason="abort",
+                                                         version="2"))
     stream = (client.stream_grpc if protocol == "grpc" else client.stream_http)(
         "Tell me a very long story.", max_tokens=1000, ignore_eos=True)
     for i, _ in enumerate(stream):
@@ -271,26 +272,12 @@ def test_a_client_can_address_a_version(triton_server):
     assert missing.status_code in (400, 404) and "version" in missing.json()["error"].lower()
 
 
-def wait_settled(server, name: str, version: str, timeout: float = 10.0) -> float:
-    """``name``'s value once two reads 0.5 s apart agree: the model publishes at most every 0.2 s while
-    responses flow (and 0.25 s after), so an earlier test's last counts may still be on their way."""
-    deadline = time.monotonic() + timeout
-    value = server.metric(name, version=version)
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        value, last = server.metric(name, version=version), value
-        if value == last:
-            return value
-    raise AssertionError(f"{name} still changing after {timeout} s")
-
-
 def test_metrics_match_what_the_requests_did(client, triton_server):
     m = triton_server.metric
     wait_idle(triton_server)
-    wait_settled(triton_server, "llm_prompt_tokens_total", version="1")
-    before = {name: m(name, version="1") for name in (
+    before = settled(lambda: {name: m(name, version="1") for name in (
         "llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_time_to_first_token_seconds_count",
-        "llm_e2e_request_latency_seconds_count", "llm_time_per_output_token_seconds_count")}
+        "llm_e2e_request_latency_seconds_count", "llm_time_per_output_token_seconds_count")})
     length_before = m("llm_request_finished_total", finish_reason="length", version="1")
     v1 = LLMClient(triton_server.grpc_url, triton_server.http_url, version="1")
     outs = [v1.generate(f"Say something about number {i}.", max_tokens=5 + i, ignore_eos=True) for i in range(3)]

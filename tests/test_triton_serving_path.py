@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 
 from backend.zero_cost_runner import zero_cost_token
-from triton_server import single_version_repository, start_server, stop_server
+from triton_server import settled, single_version_repository, start_server, stop_server
 
 pytestmark = pytest.mark.server
 SETTINGS = {"model_runner": "zero_cost", "max_num_seqs": 64, "num_blocks": 20000, "max_model_len": 4096}
@@ -101,7 +101,7 @@ def test_cancelling_many_streams_at_once_frees_every_block(server):
     def ended(reason: str) -> float:
         return metric("llm_request_finished_total", finish_reason=reason)
 
-    before = {reason: ended(reason) for reason in ("abort", "length")}
+    before = settled(lambda: {reason: ended(reason) for reason in ("abort", "length")})
     requests = [{"max_tokens": 4000, "ignore_eos": True} for _ in range(NUM_STREAMS)]  # max_model_len 4096 here
     results = asyncio.run(_streams(server.grpc_url, requests, cancel_after=1))
     assert all(len(got) == 1 for got in results)

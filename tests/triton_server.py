@@ -60,6 +60,20 @@ def eventually(condition, message: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def settled(read, timeout_s: float = 10.0):
+    """``read()`` once two reads 0.5 s apart agree. A model publishes its metrics at most every 0.2 s while
+    responses flow (and 0.25 s after the last), so a test's baseline of a counter must wait out the previous
+    test's last counts."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        value, last = read(), value
+        if value == last:
+            return value
+    raise AssertionError(f"metrics still changing after {timeout_s} s: {value}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
