@@ -284,7 +284,8 @@ def test_cancelled_waiting_requests_are_never_scheduled(triton_server):
     token, so no prompt tokens counted for them)."""
     m = triton_server.metric
     prompt_tokens_before, aborts_before = settled(lambda: (
-        m("llm_prompt_tokens_total", version="1"), m("llm_request_finished_total", finish_reason="abort", version="1")))
+        m("llm_prompt_tokens_total", version="1"),
+        m("llm_request_finished_total", finish_reason="abort", version="1")))
     running = [_open_stream(triton_server, f"Story {i}: once upon a time", 300) for i in range(16)]
     deadline = time.monotonic() + 60
     while m("llm_num_requests_running", version="1") < 16:
