@@ -158,14 +158,17 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 48, 64])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 48, 64, 65, 203, 256])
 def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
-    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512) against an fp64 reference and oneDNN's GEMM (what runs for
-    larger batches): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles of rows with several blocks of
-    outputs per pass (and block counts that leave a remainder), a bias, K of one and of many tiles, output counts
-    that are and are not multiples of 64."""
+    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512) against an fp64 reference
+    and oneDNN's GEMM (what runs for larger batches): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles
+    of rows with several blocks of outputs per pass (and block counts that leave a remainder), many passes of rows
+    over a group of outputs (while the next group is prefetched), a bias, K of one and of many tiles, output
+    counts that are and are not multiples of 64."""
     if not kernels.cpu.small_gemm_available(dtype):
         pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX or AVX512-BF16, fp32 AVX-512)")
+    if rows > kernels.cpu.small_gemm_max_rows(dtype):
+        pytest.skip(f"small_gemm takes at most {kernels.cpu.small_gemm_max_rows(dtype)} rows here (AMX)")
     torch.manual_seed(rows)
     for n, k, with_bias in ((48, 32, False), (80, 64, True), (960, 576, True), (576, 1536, False)):
         weight = (torch.randn(n, k) * 0.05).to(dtype)
@@ -183,7 +186,7 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
 
 
 @pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX or AVX512-BF16 on this CPU")
-def test_linear_takes_the_small_gemm_up_to_64_rows_and_onednn_above():
+def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above():
     from backend.models.layers import Linear
 
     torch.manual_seed(9)
@@ -193,12 +196,14 @@ def test_linear_takes_the_small_gemm_up_to_64_rows_and_onednn_above():
     assert Linear(weight[:, :48], bias, small_batch=True).small_batch is None  # bf16 needs K % 32 == 0
     calls = []
     original = kernels.cpu.small_gemm
+    limit = kernels.cpu.small_gemm_max_rows(torch.bfloat16)
+    assert limit in (64, 256) and kernels.cpu.small_gemm_max_rows(torch.float32) == 256  # 64 on AMX tiles
     try:
         kernels.cpu.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
-        for rows in (0, 1, 64, 65, 200):  # no rows (a step that samples nothing) goes to oneDNN
+        for rows in (0, 1, limit, limit + 1, 300):  # no rows (a step that samples nothing) goes to oneDNN
             x = torch.randn(rows, 64).bfloat16()
             torch.testing.assert_close(linear(x).float(), F.linear(x.float(), weight.float(), bias.float()),
                                        rtol=2 ** -7, atol=1e-3)
     finally:
         kernels.cpu.small_gemm = original
-    assert calls == [1, 64]
+    assert calls == [1, limit]

@@ -176,16 +176,22 @@ def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo
     assert any(out.num_cached_tokens > 0 for outs in again.values() for out in outs)
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16")])
-def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, monkeypatch, make_engine, tmp_path,
-                                                              tokenizer):
+@pytest.mark.parametrize("family,dtype,num_requests", [("llama", "float32", 5), ("llama", "bfloat16", 5),
+                                                        ("qwen2", "bfloat16", 5), ("llama", "float32", 80),
+                                                        ("llama", "bfloat16", 80)])
+def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, num_requests, monkeypatch, make_engine,
+                                                              tmp_path, tokenizer):
     """Decode steps run every layer in one C++ call (kernels.cpu.decode_layers): each such step is also run through
     the Python layer loop first (its KV writes are the same values to the same slots), and the logits must be
-    equal bit for bit; with a QKV bias (qwen2), in fp32 and bf16, over steps whose batch grows and shrinks."""
+    equal bit for bit; with a QKV bias (qwen2), in fp32 and bf16, over steps whose batch grows and shrinks, and
+    (80 requests) over 64 rows, where the GEMMs' rows take many passes over each group of weights."""
     import torch
 
+    import kernels.cpu
+
     model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
-    engine = make_engine(model_dir, dtype=dtype, num_blocks=64, max_num_batched_tokens=64)
+    engine = make_engine(model_dir, dtype=dtype, num_blocks=64 if num_requests < 64 else 512,
+                         max_num_batched_tokens=64 if num_requests < 64 else 4096)
     decoder = engine.model_runner.decoder
     if not decoder.decode_in_one_call:
         pytest.skip("no C++ kernels or small-batch GEMMs on this machine")
@@ -202,9 +208,11 @@ def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, mo
         return got
 
     monkeypatch.setattr(type(decoder), "forward", both)
-    prompts = mixed_prompts(tokenizer, [3, 30, 12, 47, 5], seed=5)
-    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=6 + 5 * i, **GREEDY), request_id=str(i))
+    prompts = mixed_prompts(tokenizer, [3, 30, 12, 47, 5] * (num_requests // 5), seed=5)
+    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=6 + 5 * (i % 5), **GREEDY), request_id=str(i))
              for i, p in enumerate(prompts)}
     run_to_completion(engine, sinks)
     assert len({rows for rows, _ in steps}) >= 3, steps  # decode batches of several sizes went through it
+    if num_requests > 64 and kernels.cpu.small_gemm_max_rows(getattr(torch, dtype)) > 64:
+        assert max(rows for rows, _ in steps) == num_requests, steps
     assert all(equal for _, equal in steps), steps

@@ -27,8 +27,9 @@ class Linear(torch.nn.Module):
         weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None. Both are kept as given
             on non-CPU devices; on CPU the weight is reordered into oneDNN's blocked layout once.
         small_batch: also keep the weight in the layout of ``kernels.cpu.small_gemm``, which runs the GEMMs of
-            decode steps (at most 64 rows) faster than oneDNN here by streaming the weights in order (bf16 on
-            AMX or AVX512-BF16, fp32 on AVX-512; ignored elsewhere); a second copy of the weight.
+            decode steps (at most 64 rows on AMX, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
+            oneDNN here by streaming the weights in order (bf16 on AMX or AVX512-BF16, fp32 on AVX-512; ignored
+            elsewhere); a second copy of the weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False) -> None:
@@ -37,10 +38,12 @@ class Linear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _onednn_available(weight.device)
         self.small_batch = None  # the weight in the tile layout, when small_batch applies
+        self.small_batch_rows = 0  # the most rows that go to it
         if self.packed and small_batch and _small_gemm_fits(weight):
             import kernels.cpu
 
             self.small_batch = kernels.cpu.small_gemm_pack(weight)
+            self.small_batch_rows = kernels.cpu.small_gemm_max_rows(weight.dtype)
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.register_buffer("weight", weight, persistent=False)
@@ -48,16 +51,13 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
-        if self.small_batch is not None and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+        if 0 < x.shape[0] <= self.small_batch_rows:
             import kernels.cpu
 
             return kernels.cpu.small_gemm(x, self.small_batch, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-SMALL_GEMM_MAX_ROWS = 64  # kernels.cpu.SMALL_GEMM_MAX_ROWS (not imported here: `kernels` imports Triton)
 
 
 def _small_gemm_fits(weight: torch.Tensor) -> bool:

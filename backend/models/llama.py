@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from backend.attention import AttentionMetadata, TorchAttentionMetadata, paged_attention
-from backend.models.layers import SMALL_GEMM_MAX_ROWS, Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
+from backend.models.layers import Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -115,8 +115,9 @@ class LlamaDecoder(torch.nn.Module):
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
         self.register_buffer("cos_cache", cos[0].contiguous(), persistent=False)  # [max_model_len, head_dim]
         self.register_buffer("sin_cache", sin[0].contiguous(), persistent=False)
-        # Decode steps of at most 64 rows run every layer in one C++ call (kernels.cpu.decode_layers) when every
-        # GEMM has its small-batch layout and the layers have nothing it leaves out (Qwen3's q/k norms).
+        # Decode steps that small_gemm takes (at most 64 rows on AMX, 256 elsewhere) run every layer in one C++
+        # call (kernels.cpu.decode_layers) when every GEMM has its small-batch layout and the layers have nothing
+        # it leaves out (Qwen3's q/k norms).
         layers = list(self.layers)
         self.decode_in_one_call = (
             small_batch and all(layer.q_norm is None for layer in layers)
@@ -157,9 +158,11 @@ class LlamaDecoder(torch.nn.Module):
         return self.lm_head(hidden)
 
     def _decodes_in_one_call(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A step for ``kernels.cpu.decode_layers``: only single-token rows, at most 64, on the C++ kernels."""
+        """A step for ``kernels.cpu.decode_layers``: only single-token rows, as many as ``small_gemm`` takes, on the
+        C++ kernels."""
         return (self.decode_in_one_call and isinstance(meta, TorchAttentionMetadata) and meta.cpu_kernel
-                and not meta.prefills and meta.num_decodes == num_tokens and 0 < num_tokens <= SMALL_GEMM_MAX_ROWS)
+                and not meta.prefills and meta.num_decodes == num_tokens
+                and 0 < num_tokens <= self.layers[0].qkv_proj.small_batch_rows)
 
     def _decode_layer_tensors(self, kv_caches) -> list[torch.Tensor]:
         """The per-layer tensors ``kernels.cpu.decode_layers`` takes, built once per KV pool."""

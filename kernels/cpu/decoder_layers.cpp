@@ -1,4 +1,5 @@
-// The compact decoder's layers (backend/models/llama.py) for a decode step of at most 64 rows, in one call.
+// The compact decoder's layers (backend/models/llama.py) for a decode step small_gemm takes (at most 64 rows on
+// AMX, 256 elsewhere: small_gemm_max_rows), in one call.
 // A decode step on two cores runs ~12 kernels a layer, each a few hundred microseconds at such batches; driven
 // from Python, every call also pays the interpreter, argument parsing and an output allocation: ~5 ms a step
 // of SmolLM2 (30 layers), measured as a step's time outside the kernels (batch 16: 4.7 of 33.7 ms; batch 48: 5.3
@@ -14,11 +15,12 @@
 // Tensors per layer in `layers` (see decode_layers).
 constexpr int64_t DECODE_LAYER_TENSORS = 10;
 
-// hidden: [rows, hidden_size] (the token embeddings), rows <= 64; cos, sin: [rows, head_dim] (each row's rotary
-// tables); slot_mapping: [rows] int64; block_tables: [rows, max_blocks] int64; seq_lens: [rows] int64 (contexts with
-// the new token). layers: DECODE_LAYER_TENSORS per layer: input norm weight, QKV packed by small_gemm_pack, QKV
-// bias (empty: none), O packed, O bias (empty: none), post-attention norm weight, gate-up packed, down packed, key
-// cache, value cache. Returns (hidden, residual) after the last layer, as the Python loop leaves them.
+// hidden: [rows, hidden_size] (the token embeddings), rows <= small_gemm_max_rows; cos, sin: [rows, head_dim] (each
+// row's rotary tables); slot_mapping: [rows] int64; block_tables: [rows, max_blocks] int64; seq_lens: [rows] int64
+// (contexts with the new token). layers: DECODE_LAYER_TENSORS per layer: input norm weight, QKV packed by
+// small_gemm_pack, QKV bias (empty: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
+// packed, down packed, key cache, value cache. Returns (hidden, residual) after the last layer, as the Python loop
+// leaves them.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                        torch::Tensor seq_lens, std::vector<torch::Tensor> layers,

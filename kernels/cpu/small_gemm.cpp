@@ -35,7 +35,8 @@
 namespace llm_cpu {
 namespace {
 
-constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;
+constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
+constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
 constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a time
 constexpr int64_t MULTI_BLOCKS = 3;  // blocks per `tile_multi` pass (2 chunks x 3 blocks: 6 C tiles)
 
@@ -128,16 +129,26 @@ inline void store_row16(bf16* dst, const float* row, const bf16* bias) {
 
 #endif
 
+// Lines [k * step, min((k + 1) * step, lines)) of `pf` prefetched into L2: a block function's share of the next
+// group's weights, spread over its K steps (see small_gemm_vector).
+inline void prefetch_share(const char* pf, int64_t lines, int64_t step, int64_t k) {
+  const int64_t end = std::min(lines, (k + 1) * step);
+  for (int64_t i = k * step; i < end; ++i) __builtin_prefetch(pf + 64 * i, 0, 1);
+}
+
 #if LLM_HAVE_AVX512_BF16
 // bf16 without AMX (AVX512-BF16, e.g. AMD Zen 4): rows x[0..MB) against NB consecutive blocks of 16 outputs in the
 // tile layout (block j at w + j * stride: K / 2 vectors of 16 outputs x 2 consecutive k), with vdpbf16ps: each
 // row's pair (x[2p], x[2p + 1]) broadcast to every lane, c[m * 64 + 16 * j + n] = sum_k x[m][k] w_j[n][k] in fp32.
 template <int MB, int NB>
-inline void dp_block(const bf16* x, int64_t K, const bf16* w, int64_t stride, float* c) {
+inline void dp_block(const bf16* x, int64_t K, const bf16* w, int64_t stride, float* c,
+                     const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch_share(pf, pf_lines, pf_step, p);
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * stride + 32 * p);
     for (int m = 0; m < MB; ++m) {
@@ -156,11 +167,14 @@ inline void dp_block(const bf16* x, int64_t K, const bf16* w, int64_t stride, fl
 // Rows x[0..MB) against NB consecutive blocks of 16 outputs (weights [K][16] per block, blocks `stride` apart):
 // c[m * 64 + 16 * j + n] = sum_k x[m][k] w_j[k][n].
 template <int MB, int NB>
-inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride, float* c) {
+inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride, float* c,
+                      const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K - 1) / K : 0;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    prefetch_share(pf, pf_lines, pf_step, k);
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + 16 * k);
     for (int m = 0; m < MB; ++m) {
@@ -194,6 +208,11 @@ inline void with_rows(int64_t rows, F&& f) {
 bool small_gemm_available(bool bf16) {
   if (!bf16) return LLM_HAVE_AVX512;
   return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16;
+}
+
+// The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units.
+int64_t small_gemm_max_rows(bool bf16) {
+  return bf16 && llm_cpu::amx_usable() ? llm_cpu::SMALL_GEMM_MAX_ROWS : llm_cpu::VECTOR_GEMM_MAX_ROWS;
 }
 
 // weight [N, K], N % 16 == 0 -> bf16 (K % 32 == 0): [N / 16, K / 2, 16, 2], for each 16 outputs every pair of
@@ -230,13 +249,22 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const T* w = ws + nb0 * K * 16;
+      // The group this thread most likely takes next (threads take groups in turn), prefetched into L2 while the
+      // rows pass over this one, a share per pass: else each group's first pass waits on memory.
+      const int64_t passes = (M + 5) / 6, next_group = g + omp_get_num_threads();
+      const int64_t next_lines = passes >= 2 && next_group < groups
+                                 ? std::min<int64_t>(4, NB - 4 * next_group) * K * 16 * sizeof(T) / 64 : 0;
+      const char* next = next_lines ? reinterpret_cast<const char*>(ws + 4 * next_group * K * 16) : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, M - m0);
+        const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
+        const int64_t first_line = pass * next_lines / passes;
+        const char* pf = next_lines ? next + 64 * first_line : nullptr;
+        const int64_t pf_lines = (pass + 1) * next_lines / passes - first_line;
         if constexpr (BF16) {
 #if LLM_HAVE_AVX512_BF16
           with_rows(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
-            if (nbs == 4) dp_block<MB, 4>(xs + m0 * K, K, w, K * 16, c);
+            if (nbs == 4) dp_block<MB, 4>(xs + m0 * K, K, w, K * 16, c, pf, pf_lines);
             else for (int64_t j = 0; j < nbs; ++j) dp_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
           });
           for (int64_t m = 0; m < rows; ++m)
@@ -247,7 +275,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 #if LLM_HAVE_AVX512
           with_rows(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
-            if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, w, K * 16, c);
+            if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, w, K * 16, c, pf, pf_lines);
             else for (int64_t j = 0; j < nbs; ++j) fma_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
           });
           for (int64_t m = 0; m < rows; ++m)
@@ -260,14 +288,15 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
   }
 }
 
-// out [M, N] = x [M, K] @ weight^T (+ bias [N], added in fp32), bf16, M <= 64; packed from small_gemm_pack.
+// out [M, N] = x [M, K] @ weight^T (+ bias [N], added in fp32), bf16 or fp32, M <= small_gemm_max_rows; packed
+// from small_gemm_pack.
 void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
   if (x.scalar_type() == at::kFloat) {
     TORCH_CHECK(small_gemm_available(false), "small_gemm: AVX-512 is not available");
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= SMALL_GEMM_MAX_ROWS
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= small_gemm_max_rows(false)
                 && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.scalar_type() == at::kFloat,
-                "small_gemm: x fp32 [M <= 64, K] contiguous, packed [N / 16, K, 16]");
+                "small_gemm: x fp32 [M <= ", small_gemm_max_rows(false), ", K] contiguous, packed [N / 16, K, 16]");
     TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == packed.size(0) * 16
                 && out.scalar_type() == at::kFloat, "small_gemm: out fp32 [M, N] contiguous");
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == at::kFloat),
@@ -277,8 +306,8 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
   TORCH_CHECK(small_gemm_available(true), "small_gemm: neither AMX nor AVX512-BF16 is available");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && M >= 1
-              && M <= SMALL_GEMM_MAX_ROWS && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
-              "small_gemm: x bf16 [M <= 64, K] contiguous, packed [N / 16, K / 2, 16, 2]");
+              && M <= small_gemm_max_rows(true) && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
+              "small_gemm: x bf16 [M <= ", small_gemm_max_rows(true), ", K] contiguous, packed [N / 16, K / 2, 16, 2]");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kBFloat16,
               "small_gemm: out bf16 [M, N] contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16),
