@@ -123,14 +123,17 @@ def test_high_priority_request_admitted_under_load_starts_first(client, server):
             first_token.setdefault(name, time.monotonic())
 
     # The blocker's deadline frees the first slot: the three waiting requests must all be queued (each seen in
-    # the metrics, published up to 0.2 s late) before it; 2 s was too short once under the full suite's load.
+    # the metrics, published up to 0.2 s late) before it. "high" preempts "long" (priority 0) at once; it runs
+    # 96 tokens so that the state with three waiting (low1, low2, long) lasts long enough to be published (with
+    # 8 tokens it was over in ~0.1 s, then "long" took its slot back and the poll saw two waiting to the end).
     threads = [threading.Thread(target=run, args=(name, 1000), kwargs={"timeout_ms": timeout_ms})
                for name, timeout_ms in (("blocker", 4000), ("long", 6000))]
     for t in threads:
         t.start()
     poll(lambda: server.metric("llm_num_requests_running") == 2, what="two running")
     for name, priority in (("low1", 5), ("low2", 5), ("high", -1)):
-        threads.append(threading.Thread(target=run, args=(name,), kwargs={"priority": priority}))
+        threads.append(threading.Thread(target=run, args=(name, 96 if name == "high" else 8),
+                                        kwargs={"priority": priority}))
         threads[-1].start()
         poll(lambda: server.metric("llm_num_requests_waiting") == len(threads) - 2, what="queued")
     for t in threads:
