@@ -17,7 +17,7 @@ from backend.attention import (ATTENTION_NAME, AttentionMetadata, GatherWorkspac
 from backend.cpu_threads import ThreadBinder
 from backend.cuda_graphs import DecodeGraphs
 from backend.models import build_decoder
-from backend.sampler import Sampler, TokenLogprobs
+from backend.sampler import Sampler, TokenLogprobs, plain_greedy
 from backend.scheduler_output import SchedulerOutput
 from backend.utils import cdiv
 
@@ -129,7 +129,13 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, device=self.device)
         positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
         if self.decoder is not None:
-            logits = self.decoder(input_ids, positions, meta, logits_rows)
+            hidden = self.decoder.final_hidden(input_ids, positions, meta, logits_rows)
+            requests = [scheduled[i].request for i in sample_rows]
+            if requests and all(plain_greedy(r) for r in requests):
+                tokens = self.decoder.greedy_tokens(hidden)
+                if tokens is not None:
+                    return ModelRunnerOutput({r.request_id: t for r, t in zip(requests, tokens)}, {})
+            logits = self.decoder.lm_head(hidden)
         else:
             logits = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                 logits_to_keep=logits_rows, attention_metadata=meta).logits[0]

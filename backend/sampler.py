@@ -57,7 +57,7 @@ class Sampler:
         Returns:
             One token id per request, and logprobs for the requests that asked.
         """
-        if self.cpu_kernels and logits.device.type == "cpu" and all(_plain_greedy(r) for r in requests):
+        if self.cpu_kernels and logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
             import kernels.cpu  # the argmax of the model's-dtype logits equals that of their fp32 copy
 
             return SamplerOutput(kernels.cpu.argmax(logits).tolist(), [None] * len(requests))
@@ -175,7 +175,7 @@ def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, logprob.item(), top, int((row > logprob).sum()) + 1)
 
 
-def _plain_greedy(request: Request) -> bool:
+def plain_greedy(request: Request) -> bool:
     """Greedy with nothing that changes the logits first and no logprobs wanted."""
     params = request.params
     return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0

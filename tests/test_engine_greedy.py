@@ -182,8 +182,8 @@ def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo
 def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, num_requests, monkeypatch, make_engine,
                                                               tmp_path, tokenizer):
     """Decode steps run every layer in one C++ call (kernels.cpu.decode_layers): each such step is also run through
-    the Python layer loop first (its KV writes are the same values to the same slots), and the logits must be
-    equal bit for bit; with a QKV bias (qwen2), in fp32 and bf16, over steps whose batch grows and shrinks, and
+    the Python layer loop first (its KV writes are the same values to the same slots), and the final hidden states
+    (the LM head's input) must be equal bit for bit; with a QKV bias (qwen2), in fp32 and bf16, over steps whose batch grows and shrinks, and
     (80 requests) over 64 rows, where the GEMMs' rows take many passes over each group of weights."""
     import torch
 
@@ -195,7 +195,7 @@ def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, nu
     decoder = engine.model_runner.decoder
     if not decoder.decode_in_one_call:
         pytest.skip("no C++ kernels or small-batch GEMMs on this machine")
-    forward, steps = type(decoder).forward, []
+    forward, steps = type(decoder).final_hidden, []
 
     def both(self, input_ids, positions, meta, logits_rows):
         if not self._decodes_in_one_call(meta, input_ids.shape[0]):
@@ -207,7 +207,7 @@ def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, nu
         steps.append((input_ids.shape[0], torch.equal(got, want)))
         return got
 
-    monkeypatch.setattr(type(decoder), "forward", both)
+    monkeypatch.setattr(type(decoder), "final_hidden", both)
     prompts = mixed_prompts(tokenizer, [3, 30, 12, 47, 5] * (num_requests // 5), seed=5)
     sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=6 + 5 * (i % 5), **GREEDY), request_id=str(i))
              for i, p in enumerate(prompts)}

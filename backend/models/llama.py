@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from backend.attention import AttentionMetadata, TorchAttentionMetadata, paged_attention
+from backend.models.greedy_head import GreedyHead
 from backend.models.layers import Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -107,7 +108,12 @@ class LlamaDecoder(torch.nn.Module):
         self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch)
                                           for i, layer in enumerate(inner.layers))
         self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
-        self.lm_head = Linear(hf_model.lm_head.weight, getattr(hf_model.lm_head, "bias", None), small_batch)
+        lm_bias = getattr(hf_model.lm_head, "bias", None)
+        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch)
+        # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
+        self.greedy_head = None
+        if self.lm_head.small_batch is not None and lm_bias is None and _greedy_head_fits(hf_model.lm_head.weight):
+            self.greedy_head = GreedyHead(hf_model.lm_head.weight)
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
         with torch.no_grad():  # transformers' own rotary module, so every static rope variant matches exactly
@@ -138,6 +144,19 @@ class LlamaDecoder(torch.nn.Module):
         Returns:
             ``[num_logits, vocab_size]`` logits in the model's dtype.
         """
+        return self.lm_head(self.final_hidden(input_ids, positions, meta, logits_rows))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of ``lm_head(hidden)`` through the greedy head (the same ids), or None where it does
+        not apply (no greedy head: not fp32 or no AVX512-BF16; more rows than ``small_gemm`` takes, whose logits
+        oneDNN would sum in another order)."""
+        if self.greedy_head is None or not 0 < hidden.shape[0] <= self.lm_head.small_batch_rows:
+            return None
+        return self.greedy_head(hidden, self.lm_head)
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     logits_rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` up to the LM head: ``[num_logits, hidden_size]``, the final norm's output."""
         hidden = self.embed_tokens(input_ids)
         cos = self.cos_cache.index_select(0, positions)  # [num_tokens, head_dim]
         sin = self.sin_cache.index_select(0, positions)
@@ -155,7 +174,7 @@ class LlamaDecoder(torch.nn.Module):
                 hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden = hidden.index_select(0, logits_rows)
         hidden, _ = self.norm(hidden, residual.index_select(0, logits_rows))
-        return self.lm_head(hidden)
+        return hidden
 
     def _decodes_in_one_call(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """A step for ``kernels.cpu.decode_layers``: only single-token rows, as many as ``small_gemm`` takes, on the
@@ -177,3 +196,11 @@ class LlamaDecoder(torch.nn.Module):
                             layer.down_proj.small_batch, key_cache, value_cache]
             self._decode_tensors = (kv_caches, tensors)
         return self._decode_tensors[1]
+
+
+def _greedy_head_fits(weight: torch.Tensor) -> bool:
+    """An fp32 head ``GreedyHead`` takes, on a CPU whose kernels have AVX512-BF16."""
+    import kernels.cpu
+
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and kernels.cpu.greedy_head_available())

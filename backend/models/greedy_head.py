@@ -1,0 +1,58 @@
+"""Greedy picks from an fp32 LM head at about bf16 cost, the same tokens as the fp32 logits would give.
+
+A decode step of a small fp32 model spends a fifth of its multiply-adds in the LM head (SmolLM2-135M: 28 of
+135 M weights). For a request that only wants the argmax (greedy, no logprobs, nothing that changes the logits:
+the sampler's ``plain_greedy``), ``kernels.cpu.greedy_head`` runs the head in bf16 with a proven bound on each
+logit's error and computes the exact fp32 logit only for the few tokens the bound cannot rule out (derivation in
+``kernels/cpu/greedy_head.cpp``). The picks are those of ``argmax`` over the fp32 logits ``small_gemm`` computes,
+bit for bit, ties to the first index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GreedyHead:
+    """The bf16 copy of an fp32 LM head and the per-token norms the bound needs.
+
+    Args:
+        weight: ``[vocab, hidden]`` fp32, the LM head's weight (kept by reference: for tied embeddings it is the
+            embedding table, so only the bf16 copy, half its size, is new memory).
+
+    Raises:
+        ValueError: ``weight`` is not fp32 ``[V, K]`` with ``V % 16 == 0`` and ``K % 32 == 0`` (``small_gemm``'s
+            bf16 layout).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        import kernels.cpu
+
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32:
+            raise ValueError(f"GreedyHead needs an fp32 [V % 16 == 0, K % 32 == 0] weight, got "
+                             f"{weight.dtype} {list(weight.shape)}")
+        self.weight = weight.detach().contiguous()
+        rounded = self.weight.bfloat16()
+        self.packed = kernels.cpu.small_gemm_pack(rounded)
+        exact = self.weight.double()
+        self.norms = _round_up(rounded.double().norm(dim=1))  # |bf16(W_i)|
+        self.error_norms = _round_up((exact - rounded.double()).norm(dim=1))  # |W_i - bf16(W_i)|
+        self.num_exact = 0  # exact fp32 logits computed so far (a handful per row)
+
+    def __call__(self, hidden: torch.Tensor, lm_head) -> list[int]:
+        """``hidden``: ``[rows, K]`` fp32 final hidden states -> each row's greedy token id. Rows the kernel cannot
+        bound (not finite) are picked from their full logits, ``lm_head(hidden[rows])``."""
+        import kernels.cpu
+
+        picks, exact = kernels.cpu.greedy_head(hidden, self.packed, self.norms, self.error_norms, self.weight)
+        self.num_exact += exact
+        unbounded = (picks < 0).nonzero().flatten()
+        if unbounded.numel():
+            picks[unbounded] = kernels.cpu.argmax(lm_head(hidden.index_select(0, unbounded)))
+        return picks.tolist()
+
+
+def _round_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> the smallest float32 at or above each value."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
