@@ -34,9 +34,12 @@ class GreedyHead:
         self.weight = weight.detach().contiguous()
         rounded = self.weight.bfloat16()
         self.packed = kernels.cpu.small_gemm_pack(rounded)
-        exact = self.weight.double()
-        self.norms = _round_up(rounded.double().norm(dim=1))  # |bf16(W_i)|
-        self.error_norms = _round_up((exact - rounded.double()).norm(dim=1))  # |W_i - bf16(W_i)|
+        norms, error_norms = [], []
+        for start in range(0, weight.shape[0], 4096):  # in float64, a slice at a time (not a 4x copy of the head)
+            exact, near = self.weight[start:start + 4096].double(), rounded[start:start + 4096].double()
+            norms.append(near.norm(dim=1))  # |bf16(W_i)|
+            error_norms.append((exact - near).norm(dim=1))  # |W_i - bf16(W_i)|
+        self.norms, self.error_norms = _round_up(torch.cat(norms)), _round_up(torch.cat(error_norms))
         self.num_exact = 0  # exact fp32 logits computed so far (a handful per row)
 
     def __call__(self, hidden: torch.Tensor, lm_head) -> list[int]:
