@@ -99,16 +99,11 @@ int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, to
     for (int64_t gi = taken.fetch_add(1); gi < groups; gi = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * gi, nbs = std::min<int64_t>(4, NB - nb0);
       const bf16* w = ws + nb0 * K * 16;
-      // The next group prefetched into L2 a share per pass, as small_gemm does.
-      const int64_t passes = (M + 5) / 6, next_group = gi + threads;
-      const int64_t next_lines = passes >= 2 && next_group < groups
-                                 ? std::min<int64_t>(4, NB - 4 * next_group) * K * 16 * sizeof(bf16) / 64 : 0;
-      const char* next = next_lines ? reinterpret_cast<const char*>(ws + 4 * next_group * K * 16) : nullptr;
+      const NextGroup next(ws, gi, threads, groups, NB, K, M);  // prefetched as small_gemm does
       for (int64_t m0 = 0; m0 < M; m0 += 6) {
         const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
-        const int64_t first_line = pass * next_lines / passes;
-        const char* pf = next_lines ? next + 64 * first_line : nullptr;
-        const int64_t pf_lines = (pass + 1) * next_lines / passes - first_line;
+        const char* pf = next.share(pass);
+        const int64_t pf_lines = next.share_lines(pass);
         with_rows(rows, [&](auto mb) {
           constexpr int MB = decltype(mb)::value;
           if (nbs == 4) dp_block<MB, 4>(xb.data() + m0 * K, K, w, K * 16, c, pf, pf_lines);

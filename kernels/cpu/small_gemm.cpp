@@ -136,6 +136,27 @@ inline void prefetch_share(const char* pf, int64_t lines, int64_t step, int64_t 
   for (int64_t i = k * step; i < end; ++i) __builtin_prefetch(pf + 64 * i, 0, 1);
 }
 
+// The group of 4 blocks a thread most likely takes next (threads take groups in turn), prefetched into L2 while the
+// rows pass over its current group, a share per pass of 6 rows: else each group's first pass waits on memory. None
+// with a single pass.
+struct NextGroup {
+  const char* base = nullptr;
+  int64_t lines = 0, passes;
+  // ws: the packed weights (NB blocks of K x 16); g: the current group of `groups`; M rows.
+  template <typename T>
+  NextGroup(const T* ws, int64_t g, int64_t threads, int64_t groups, int64_t NB, int64_t K, int64_t M)
+      : passes((M + 5) / 6) {
+    const int64_t next = g + threads;
+    if (passes >= 2 && next < groups) {
+      lines = std::min<int64_t>(4, NB - 4 * next) * K * 16 * static_cast<int64_t>(sizeof(T)) / 64;
+      base = reinterpret_cast<const char*>(ws + 4 * next * K * 16);
+    }
+  }
+  // Pass `pass`'s share: its first line (nullptr: nothing to prefetch) and how many lines.
+  const char* share(int64_t pass) const { return lines ? base + 64 * (pass * lines / passes) : nullptr; }
+  int64_t share_lines(int64_t pass) const { return (pass + 1) * lines / passes - pass * lines / passes; }
+};
+
 #if LLM_HAVE_AVX512_BF16
 // bf16 without AMX (AVX512-BF16, e.g. AMD Zen 4): rows x[0..MB) against NB consecutive blocks of 16 outputs in the
 // tile layout (block j at w + j * stride: K / 2 vectors of 16 outputs x 2 consecutive k), with vdpbf16ps: each
@@ -249,17 +270,11 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const T* w = ws + nb0 * K * 16;
-      // The group this thread most likely takes next (threads take groups in turn), prefetched into L2 while the
-      // rows pass over this one, a share per pass: else each group's first pass waits on memory.
-      const int64_t passes = (M + 5) / 6, next_group = g + omp_get_num_threads();
-      const int64_t next_lines = passes >= 2 && next_group < groups
-                                 ? std::min<int64_t>(4, NB - 4 * next_group) * K * 16 * sizeof(T) / 64 : 0;
-      const char* next = next_lines ? reinterpret_cast<const char*>(ws + 4 * next_group * K * 16) : nullptr;
+      const NextGroup next(ws, g, omp_get_num_threads(), groups, NB, K, M);
       for (int64_t m0 = 0; m0 < M; m0 += 6) {
         const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
-        const int64_t first_line = pass * next_lines / passes;
-        const char* pf = next_lines ? next + 64 * first_line : nullptr;
-        const int64_t pf_lines = (pass + 1) * next_lines / passes - first_line;
+        const char* pf = next.share(pass);
+        const int64_t pf_lines = next.share_lines(pass);
         if constexpr (BF16) {
 #if LLM_HAVE_AVX512_BF16
           with_rows(rows, [&](auto mb) {
