@@ -59,6 +59,21 @@ def test_exact_ties_go_to_the_first_index_and_one_ulp_apart_is_resolved_exactly(
     assert 900 not in picks  # a tie with 100 always goes to the first index
 
 
+def test_values_below_bf16s_normal_range_are_bounded_too():
+    """Weights and hidden values that round to bf16 denormals (or vanish in bf16) next to large ones."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(2048, 64, generator=gen) * 0.05
+    weight[:, :8] = torch.randn(2048, 8, generator=gen) * 1e-39  # bf16 denormals
+    x = torch.randn(32, 64, generator=gen)
+    x[:, :8] = 1e25 * torch.randn(32, 8, generator=gen)  # against the denormal weights: ~1e-14 each
+    x[:16, 8:] *= 1e-39  # denormal hidden values: the logits are the denormal weights' alone
+    x[16:24, 8:] = 0
+    head, lm_head = _head(weight)
+    picks, exact = kernels.cpu.greedy_head(x, head.packed, head.norms, head.error_norms, head.weight)
+    assert (picks >= 0).all()  # bounded, not sent to the full logits
+    assert picks.tolist() == _reference(x, weight)
+
+
 def test_rows_that_are_not_finite_take_the_full_logits():
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(2048, 64, generator=gen) * 0.05

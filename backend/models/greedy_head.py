@@ -33,6 +33,7 @@ class GreedyHead:
                              f"{weight.dtype} {list(weight.shape)}")
         self.weight = weight.detach().contiguous()
         rounded = self.weight.bfloat16()
+        rounded[rounded.abs() < torch.finfo(torch.bfloat16).tiny] = 0  # denormals as zero (see greedy_head.cpp)
         self.packed = kernels.cpu.small_gemm_pack(rounded)
         norms, error_norms = [], []
         for start in range(0, weight.shape[0], 4096):  # in float64, a slice at a time (not a 4x copy of the head)

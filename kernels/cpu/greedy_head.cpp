@@ -14,7 +14,8 @@
 //   |z_i - y_i| <= |dx| |W'_i| + |x'| |dW_i| + |dx| |dW_i| + g (|x'| |W'_i| + |x| |W_i|)   (Cauchy-Schwarz)
 //              = a |W'_i| + b |dW_i|,  a = |dx| + g (|x'| + |x|),  b = |x'| + |dx| + g |x|,
 // norms precomputed per token (rounded up) and per row (in double), inflated by 2^-10 for their own rounding, plus
-// 2^-22 |z_i| for the rounding of z_i +- e_i and 1e-30 for the bf16 denormals vdpbf16ps flushes to zero. Token i
+// 2^-22 |z_i| for the rounding of z_i +- e_i and 1e-30 for sums vdpbf16ps flushes to zero. x' and W' have their bf16
+// denormals set to zero here (whether or not the CPU would flush them, it multiplies what the norms describe). Token i
 // can be the argmax only if z_i + e_i >= max_j (z_j - e_j) = L; the threshold only rises as the vocabulary is
 // scanned, so a token kept against the running threshold and then against the final one is exactly such a token.
 // Among them the first index of the largest exact y_i is the argmax of all y (any other token has y < L).
@@ -69,7 +70,8 @@ int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, to
     double nx = 0, nxb = 0, ndx = 0;
     for (int64_t k = 0; k < K; ++k) {
       const float v = xs[m * K + k];
-      const bf16 b = from_float<bf16>(v);
+      bf16 b = from_float<bf16>(v);
+      if ((b & 0x7F80u) == 0) b = 0;  // bf16 denormals as zero, so the dot products see what the bound assumes
       const double vb = to_float(b);
       xb[m * K + k] = b;
       nx += double(v) * v;
