@@ -87,6 +87,21 @@ def test_rows_that_are_not_finite_take_the_full_logits():
     assert head(x, lm_head) == _reference(x, weight)
 
 
+def test_a_huge_row_against_a_tiny_head_takes_the_full_logits():
+    """|x| past fp32's range with weights small enough that |x| max|W_i| looks harmless (found by a reviewer: bf16(x)
+    and |x'| overflowed, inf * 0 made NaN bounds, and the token with the largest logit was dropped)."""
+    weight = torch.zeros(16, 32)
+    weight[1, 0] = -1e-10
+    weight[3, 0], weight[3, 1] = 1e-39, 2e-9
+    x = torch.zeros(2, 32)
+    x[0, 0] = x[0, 1] = 3e38
+    x[1, 0], x[1, 1] = 3.4e38, 1e10
+    head, lm_head = _head(weight)
+    picks, _ = kernels.cpu.greedy_head(x, head.packed, head.norms, head.error_norms, head.weight)
+    assert picks.tolist() == [-1, -1]
+    assert head(x, lm_head) == _reference(x, weight)
+
+
 def test_the_engine_takes_the_head_for_plain_greedy_rows_only(make_engine, tiny_model_dir, tiny_reference):
     """Plain greedy requests go through the head (and match transformers' generate); a greedy request that wants
     logprobs gets the full logits, and the same tokens."""

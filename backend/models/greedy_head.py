@@ -28,8 +28,9 @@ class GreedyHead:
     def __init__(self, weight: torch.Tensor) -> None:
         import kernels.cpu
 
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32:
-            raise ValueError(f"GreedyHead needs an fp32 [V % 16 == 0, K % 32 == 0] weight, got "
+        if (weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32
+                or not weight.numel()):
+            raise ValueError(f"GreedyHead needs an fp32 [V % 16 == 0, K % 32 == 0] weight, not empty, got "
                              f"{weight.dtype} {list(weight.shape)}")
         self.weight = weight.detach().contiguous()
         rounded = self.weight.bfloat16()

@@ -34,7 +34,7 @@
 bool greedy_head_available() { return LLM_HAVE_AVX512_BF16; }
 
 // out: [M] int64, each row's argmax of the fp32 logits x @ weight^T, or -1 for a row whose hidden state is not
-// finite or so large that the bound could overflow (the caller computes those rows' logits). x: [M, K] fp32
+// finite or so large that the bound could overflow (|x| or |x| max |W_i| at 1e30 or more) (the caller computes those rows' logits). x: [M, K] fp32
 // contiguous. packed: small_gemm_pack(bf16(weight)), [V / 16, K / 2, 16, 2]. norms / error_norms: [V] fp32, at least
 // |bf16(W_i)| and |W_i - bf16(W_i)|. weight: [V, K] fp32 contiguous. Returns the number of exact logits computed.
 int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor norms,
@@ -51,6 +51,7 @@ int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, to
               && norms.scalar_type() == at::kFloat && error_norms.scalar_type() == at::kFloat,
               "greedy_head: norms, error_norms fp32 [V]");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == M, "greedy_head: out [M] int64");
+  TORCH_CHECK(V > 0, "greedy_head: an empty vocabulary");
   int64_t* picks = out.data_ptr<int64_t>();
   int64_t exact = 0;
 #if LLM_HAVE_AVX512_BF16
@@ -80,7 +81,9 @@ int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, to
     }
     nx = std::sqrt(nx), nxb = std::sqrt(nxb), ndx = std::sqrt(ndx);
     const double a = (ndx + g * (nxb + nx)) * (1 + 0x1p-10), b = (nxb + ndx + g * nx) * (1 + 0x1p-10);
-    usable[m] = std::isfinite(nx) && nx * max_norm < 1e30;
+    // Products, sums and the bound's coefficients stay far from fp32's range (|x| alone too: a head of tiny weights
+    // would pass the first test with a row whose bf16 copy or |x'| overflows).
+    usable[m] = nx < 1e30 && nx * max_norm < 1e30;
     coef_a[m] = usable[m] ? static_cast<float>(a) : 0.f;
     coef_b[m] = usable[m] ? static_cast<float>(b) : 0.f;
   }
