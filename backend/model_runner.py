@@ -130,9 +130,9 @@ class ModelRunner:
         positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
         if self.decoder is not None:
             hidden = self.decoder.final_hidden(input_ids, positions, meta, logits_rows)
-            requests = [scheduled[i].request for i in sample_rows]
-            if requests and all(plain_greedy(r) for r in requests):
-                tokens = self.decoder.greedy_tokens(hidden)
+            if self.decoder.greedy_head is not None and sample_rows:  # fp32 heads only: skip the check elsewhere
+                requests = [scheduled[i].request for i in sample_rows]
+                tokens = self.decoder.greedy_tokens(hidden) if all(plain_greedy(r) for r in requests) else None
                 if tokens is not None:
                     return ModelRunnerOutput({r.request_id: t for r, t in zip(requests, tokens)}, {})
             logits = self.decoder.lm_head(hidden)
