@@ -235,19 +235,26 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
   constexpr int C = D / 16;
   alignas(64) float scores[NG][16];
   for (int g = 0; g < NG; ++g) {
+    // The 16 dot products unrolled, in registers with the head's query (a loop over i < n spilled them and reloaded
+    // the query for each key: fp32, 30 layers, batch 40, context 450, cold 41.5 -> 38.1 ms, in cache 7.6 -> 6.4).
+    // Rows past n repeat the tile's last key (see tile_kernel); their lanes are masked below.
+    vf16 qg[C];
+    for (int c = 0; c < C; ++c) qg[c] = qv[g * C + c];
     vf16 dots[16];
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
-      vf16 d = vf16{};
       if (g == 0) prefetch_row<T, D * sizeof(T), true>(ahead, i, kv_offset);
+      vf16 d;
       if constexpr (BF16_DOT) {
-        if (i < n) d = dot_bf16<D>(q_raw[g], key_rows[i] + kv_offset);
+        d = dot_bf16<D>(q_raw[g], key_rows[i] + kv_offset);
+      } else if constexpr (std::is_same_v<T, float>) {  // fp32 keys and values read in place, not copied into tiles
+        // (30 layers, batch 48, context 200-400, cold: 39.3 -> 36.2 ms, bit-identical)
+        const float* key = key_rows[i] + kv_offset;
+        d = qg[0] * load_vf16(key);
+        for (int c = 1; c < C; ++c) d += qg[c] * load_vf16(key + 16 * c);
       } else {
-        if constexpr (std::is_same_v<T, float>) {  // fp32 keys and values read in place, not copied into tiles
-          // (30 layers, batch 48, context 200-400, cold: 39.3 -> 36.2 ms, bit-identical)
-          if (i < n) for (int c = 0; c < C; ++c) d += qv[g * C + c] * load_vf16(key_rows[i] + kv_offset + 16 * c);
-        } else {
-          if (i < n) for (int c = 0; c < C; ++c) d += qv[g * C + c] * kt[i * C + c];
-        }
+        d = qg[0] * kt[i * C];
+        for (int c = 1; c < C; ++c) d += qg[c] * kt[i * C + c];
       }
       dots[BITREV4[i]] = d;
     }
@@ -396,6 +403,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
               }
           }
         }
+        for (int i = n; i < 16; ++i) { key_rows[i] = key_rows[n - 1]; value_rows[i] = value_rows[n - 1]; }  // masked
         for (int64_t kh = 0; kh < heads_per_task; ++kh) {
           const int64_t h = kh * group;
           attend_tile_group<T, D, BF16_DOT>(group, q_raw + h, qv.data() + h * C, key_rows, value_rows, kh * D,
