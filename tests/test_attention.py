@@ -68,6 +68,20 @@ def test_cpu_kernel_reads_blocks_in_place_like_the_reference(dtype, head_dim):
         _check_cpu_kernel(seq_lens, dtype, head_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_cpu_kernel_reads_nothing_past_a_sequences_last_token(dtype, head_dim):
+    """NaN in the slots after each sequence's last token changes nothing: the tiled kernel's rows past a tile's end
+    repeat the tile's last key and value (their score lanes masked), never the slots themselves; a value row read
+    there, even with weight 0, would make the output NaN."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    for seq_lens in ([1, 3, 4, 5, 16, 17, 30, 49], [33, 2], [47, 100]):
+        _check_cpu_kernel(seq_lens, dtype, head_dim, poison_tails=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])  # query heads per KV head: the kernel takes them 4 (or 2) at a time
@@ -95,7 +109,7 @@ def test_cpu_kernel_scores_bf16_on_amx_tiles_like_the_reference(block_size, head
 
 
 def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, num_heads: int = NUM_HEADS,
-                      block_size: int = BLOCK_SIZE) -> None:
+                      block_size: int = BLOCK_SIZE, poison_tails: bool = False) -> None:
     import kernels.cpu
 
     num_blocks = max(NUM_BLOCKS, 4 * 112 // block_size * 8)
@@ -103,6 +117,11 @@ def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, nu
                                                                    num_heads=num_heads, block_size=block_size,
                                                                    num_blocks=num_blocks)
     query, key_cache, value_cache = query.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
+    if poison_tails:  # the slots after each sequence's last token hold NaN (the reference slices them off)
+        for i, n in enumerate(seq_lens):
+            last = tables[i, (n - 1) // block_size]
+            key_cache[last, (n - 1) % block_size + 1:] = float("nan")
+            value_cache[last, (n - 1) % block_size + 1:] = float("nan")
     got = kernels.cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
     for i, n in enumerate(seq_lens):
         keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()
