@@ -34,7 +34,8 @@
 bool greedy_head_available() { return LLM_HAVE_AVX512_BF16; }
 
 // out: [M] int64, each row's argmax of the fp32 logits x @ weight^T, or -1 for a row whose hidden state is not
-// finite or so large that the bound could overflow (|x| or |x| max |W_i| at 1e30 or more) (the caller computes those rows' logits). x: [M, K] fp32
+// finite or so large that the bound could overflow, |x| or |x| max |W_i| at 1e30 or more (the caller computes those
+// rows' logits). x: [M, K] fp32
 // contiguous. packed: small_gemm_pack(bf16(weight)), [V / 16, K / 2, 16, 2]. norms / error_norms: [V] fp32, at least
 // |bf16(W_i)| and |W_i - bf16(W_i)|. weight: [V, K] fp32 contiguous. Returns the number of exact logits computed.
 int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor norms,
