@@ -46,12 +46,15 @@ class EngineCoreOutput:
         new_token: requests that got a token (finished ones included).
         ended: requests that ended without a token (aborted, timed out, or failed with ``error`` set).
         logprobs: request id -> logprobs of its new token, for requests that asked.
+        prompt_logprobs: request id -> (index of the first prompt token scored, entries), for requests that
+            asked for prompt logprobs and computed prompt positions this step (with or without a new token).
         sched: what was scheduled (None when the step only took its inbox).
     """
 
     new_token: list[Request] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     sched: SchedulerOutput | None = None
 
 
@@ -199,6 +202,7 @@ class EngineCore:
         self.num_consecutive_failed_steps = 0
         out.new_token = self.scheduler.update_from_output(sched, result.sampled)
         out.logprobs = result.logprobs
+        out.prompt_logprobs = result.prompt_logprobs
         for request in out.new_token:
             if request.is_finished:
                 del self._requests[request.request_id]

@@ -286,7 +286,8 @@ class LLMEngine:
             self._last_step = (len(sched.scheduled), sched.num_prefills, sched.total_num_scheduled_tokens)
         stopped = self.output_processor.detokenize(core_out.new_token)
         self.engine_core.finish_on_stop_strings(stopped)
-        deltas = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs)
+        deltas = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs,
+                                                    core_out.prompt_logprobs)
         self._check_failures()  # before delivering: whoever sees a failed request sees the engine's health
         stats = self._deliver(deltas)
         if self.step_log is not None and core_out.sched is not None:

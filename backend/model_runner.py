@@ -8,10 +8,11 @@ that reached its last token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from backend import prompt_logprobs
 from backend.attention import (ATTENTION_NAME, AttentionMetadata, GatherWorkspace, KernelAttentionMetadata,
                                PrefillSpan, TorchAttentionMetadata)
 from backend.cpu_threads import ThreadBinder
@@ -24,10 +25,12 @@ from backend.utils import cdiv
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request id: the sampled token, and its logprobs when asked for."""
+    """Per request id: the sampled token, and its logprobs when asked for; for requests that asked for prompt
+    logprobs and computed prompt positions this step, (index of the first prompt token scored, its entries)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -91,7 +94,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass over all scheduled tokens, packed with no padding; logits only for each
-        request's last scheduled token, and only when that token is the request's last."""
+        request's last scheduled token, and only when that token is the request's last, plus the rows that
+        score a prompt for requests that asked for prompt logprobs (``backend.prompt_logprobs``)."""
         self.thread_binder.ensure_bound()
         scheduled = sched.scheduled
         counts = [s.num_scheduled_tokens for s in scheduled]
@@ -118,7 +122,8 @@ class ModelRunner:
                         + positions % self.block_size)
 
         sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
-        if self.decode_graphs is not None and self.decode_graphs.covers(counts):
+        prompt_rows = prompt_logprobs.plan(scheduled, cu_seqlens[:-1].tolist())
+        if self.decode_graphs is not None and not prompt_rows and self.decode_graphs.covers(counts):
             logits = self.decode_graphs.run(torch.tensor(token_ids), positions, slot_mapping, seq_lens, block_tables)
             return self._sample(logits[sample_rows], scheduled, sample_rows)
         if self.use_kernels:
@@ -126,30 +131,41 @@ class ModelRunner:
         else:
             meta = self._torch_metadata(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping)
         logits_rows = cu_seqlens[1:][sample_rows] - 1
+        if prompt_rows:  # after the sampling rows: hidden[:len(sample_rows)] samples, the rest scores prompts
+            logits_rows = torch.cat([logits_rows, torch.tensor([r for p in prompt_rows for r in p.rows])])
+        num_sample = len(sample_rows)
+        prompt_out = {}
         input_ids = torch.tensor(token_ids, device=self.device)
         positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
         if self.decoder is not None:
             hidden = self.decoder.final_hidden(input_ids, positions, meta, logits_rows)
+            if prompt_rows:
+                prompt_out = prompt_logprobs.compute(hidden[num_sample:], self.decoder.lm_head, prompt_rows)
+                hidden = hidden[:num_sample]
             if self.decoder.greedy_head is not None and sample_rows:  # fp32 heads only: skip the check elsewhere
                 requests = [scheduled[i].request for i in sample_rows]
                 tokens = self.decoder.greedy_tokens(hidden) if all(plain_greedy(r) for r in requests) else None
                 if tokens is not None:
-                    return ModelRunnerOutput({r.request_id: t for r, t in zip(requests, tokens)}, {})
+                    return ModelRunnerOutput({r.request_id: t for r, t in zip(requests, tokens)}, {}, prompt_out)
             logits = self.decoder.lm_head(hidden)
         else:
             logits = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                 logits_to_keep=logits_rows, attention_metadata=meta).logits[0]
-        return self._sample(logits, scheduled, sample_rows)
+            if prompt_rows:
+                prompt_out = prompt_logprobs.compute(logits[num_sample:], lambda x: x, prompt_rows)
+                logits = logits[:num_sample]
+        return self._sample(logits, scheduled, sample_rows, prompt_out)
 
-    def _sample(self, logits: torch.Tensor, scheduled, sample_rows: list[int]) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, scheduled, sample_rows: list[int],
+                prompt_out: dict | None = None) -> ModelRunnerOutput:
         """``logits``: ``[len(sample_rows), vocab_size]``, row j for request ``scheduled[sample_rows[j]]``."""
         if not sample_rows:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_out or {})
         sample_requests = [scheduled[i].request for i in sample_rows]
         out = self.sampler(logits, sample_requests)
         sampled = {r.request_id: t for r, t in zip(sample_requests, out.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_out or {})
 
     def _kernel_metadata(self, nd: int, seq_lens: torch.Tensor, cu_seqlens: torch.Tensor,
                          block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:

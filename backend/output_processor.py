@@ -31,6 +31,8 @@ class RequestState:
     parent: ParentRequest
     held: RequestOutput | None = None  # deltas not sent yet (stream_interval), merged
     sent_tokens: int = 0
+    # Prompt logprobs gathered chunk by chunk (entry 0, the first prompt token, is None); sent on the first delta.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -56,7 +58,8 @@ class OutputProcessor:
         """
         params = parent.params
         states = [RequestState(r, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
-                               parent) for r in requests]
+                               parent, prompt_logprobs=[None] if r.wants_prompt_logprobs else None)
+                  for r in requests]
         with self._lock:
             if parent.request_id in self._parents:
                 raise ValueError(f"request id {parent.request_id!r} is already in flight")
@@ -100,13 +103,25 @@ class OutputProcessor:
         return stopped
 
     def make_outputs(self, with_token: list[Request], without_token: list[Request],
-                     logprobs: dict[str, TokenLogprobs]) -> list[tuple[queue.Queue, RequestOutput]]:
+                     logprobs: dict[str, TokenLogprobs],
+                     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
+                     ) -> list[tuple[queue.Queue, RequestOutput]]:
         """Deltas for the requests that gained a token this step and for those that ended without one
         (aborted, failed); the counters are updated at once, the caller puts the deltas on their sinks.
+
+        Args:
+            prompt_logprobs: this step's prompt-logprob entries (``EngineCoreOutput.prompt_logprobs``), gathered
+                until the completion's first delta carries them all. A chunk computed again after a preemption
+                repeats entries already held; those are skipped.
 
         Returns:
             (sink, delta) pairs, in that order (held-back deltas, see ``stream_interval``, are not among them).
         """
+        for request_id, (first, entries) in (prompt_logprobs or {}).items():
+            state = self._states.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                gathered = state.prompt_logprobs  # chunks arrive in order: first <= len(gathered)
+                gathered.extend(entries[len(gathered) - first:])
         outputs = []
         for request in with_token:
             if request.num_output_tokens == 1 and request.index == 0:
@@ -129,7 +144,8 @@ class OutputProcessor:
         out = RequestOutput(parent.request_id, token_ids, state.detokenizer.delta(final=finished),
                             request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
                             logprobs, request.error, index=request.index,
-                            num_cached_tokens=request.num_cached_tokens)
+                            num_cached_tokens=request.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+        state.prompt_logprobs = None  # on the first delta only
         before = []
         if self.stream_interval > 1:
             held, state.held = state.held, None

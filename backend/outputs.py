@@ -48,6 +48,8 @@ class RequestOutput:
         done: True on the very last delta of the request (all of its completions finished).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission (for the completions
             of an ``n`` > 1 request, blocks shared with the other completions count too).
+        prompt_logprobs: with ``prompt_logprobs`` asked for, on completion 0's first delta: one entry per prompt
+            token, None for the first (nothing precedes it), else its :class:`TokenLogprobs`.
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class RequestOutput:
     index: int = 0
     done: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +95,6 @@ def coalesce(deltas: list[RequestOutput]) -> list[RequestOutput]:
             logprobs = None if earlier.logprobs is None and out.logprobs is None else [
                 *(earlier.logprobs or []), *(out.logprobs or [])]
             out = replace(out, token_ids=earlier.token_ids + out.token_ids, text=earlier.text + out.text,
-                          logprobs=logprobs)
+                          logprobs=logprobs, prompt_logprobs=earlier.prompt_logprobs or out.prompt_logprobs)
         merged[key] = out  # (re)inserted last: dicts keep insertion order
     return list(merged.values())

@@ -94,6 +94,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prompt's logprobs are computed for this completion: ``prompt_logprobs`` was asked for, and it is
+        the first of the prompt's ``n`` completions (the others would compute the same values)."""
+        return self.params.prompt_logprobs is not None and self.index == 0
+
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
         if self.first_token_time is None:

@@ -46,6 +46,10 @@ class SamplingParams:
             token sequences (at most ``MAX_BAD_WORDS`` of at most ``MAX_BAD_WORD_CHARS`` characters).
         ignore_eos: keep generating after the EOS token.
         logprobs: also return the sampled token's log-probability and the top-N alternatives (0..20).
+        prompt_logprobs: also return each prompt token's log-probability given the tokens before it, and the
+            top-N alternatives at that position (0..20; vLLM's ``prompt_logprobs``). Computed from the prefill's
+            own forward pass (no second model run); the prompt's first token has none. Such a request takes no
+            prefix-cache hits for its prompt (a cached block's positions would have no logits).
         skip_special_tokens: leave special tokens out of the text.
         structured_outputs: what the output must match (a JSON schema, any JSON object, a regex, a choice,
             an EBNF grammar; vLLM's ``structured_outputs``), enforced while sampling; an object with those
@@ -71,6 +75,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -108,6 +113,8 @@ class SamplingParams:
         _bool("skip_special_tokens", self.skip_special_tokens)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 

@@ -113,7 +113,8 @@ class Scheduler:
                     break
                 token_budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
                 continue
-            cached = self.kv.get_computed_blocks(request)  # new or preempted: it holds no blocks
+            # New or preempted: it holds no blocks. Prompt logprobs need every prompt position's logits.
+            cached = [] if request.wants_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget)
             if not self.kv.allocate_slots(request, num_new, cached):
