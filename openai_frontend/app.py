@@ -85,11 +85,24 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         body.check()
         name, version = await _resolve(triton, body.model)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        sampling = body.sampling_parameters(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        prompts = body.prompts
+        # echo with max_tokens 0 scores the prompt alone (as vLLM: one token is generated and dropped).
+        echo_only = bool(body.echo) and body.max_tokens == 0
+        max_tokens = 1 if echo_only else body.max_tokens if body.max_tokens is not None else 16
+        sampling = body.sampling_parameters(max_tokens, body.logprobs)
+        echo_logprobs = bool(body.echo) and body.logprobs is not None
+        if echo_logprobs:  # the prompt's tokens come back with their logprobs, from the prefill itself
+            sampling["prompt_logprobs"] = max(body.prompt_logprobs or 0, body.logprobs)
+        texts, ids = [p if isinstance(p, str) else "" for p in prompts], [None] * len(prompts)
+        if body.echo and (echo_logprobs or any(not isinstance(p, str) for p in prompts)):
+            tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
+            texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs)
         view = _View("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, echo=bool(body.echo),
-                     prompts=prompts, n=body.n or 1, top_n=body.logprobs)
+                     prompts=texts, n=body.n or 1, top_n=body.logprobs, echo_only=echo_only, prompt_ids=ids,
+                     prompt_logprobs=body.prompt_logprobs is not None)
         events = _merged(triton, name, version, prompts, sampling)
+        if echo_logprobs:
+            events = _prompt_logprobs_first(events)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
     @app.post("/v1/chat/completions")
@@ -108,7 +121,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)  # the first load takes seconds
         prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template, tools)
         view = _View("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, echo=False,
-                     prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None)
+                     prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
+                     prompt_logprobs=body.prompt_logprobs is not None)
         events = _merged(triton, name, version, [prompt], sampling)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
@@ -120,8 +134,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         body.check()
         name, version = await _resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        return [{"token_ids": tokenizer.encode(prompt)} for prompt in prompts]
+        return [{"token_ids": tokenizer.encode(p) if isinstance(p, str) else p} for p in body.prompts]
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest):
@@ -209,8 +222,45 @@ def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | No
         raise OpenAIError(400, f"chat template failed: {exc}", "invalid_request", "messages") from None
 
 
+def _echo_prompts(tokenizer, prompts: list[str | list[int]], with_ids: bool) -> tuple[list[str], list]:
+    """Each prompt's text (token ids decoded) and, when ``with_ids``, (its token ids as the engine computes them,
+    with the same tokenizer and call, and its first token's text): they name the prompt's tokens in echoed
+    logprobs."""
+    texts, ids = [], []
+    for prompt in prompts:
+        texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt))
+        if with_ids:
+            token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids.append((token_ids, tokenizer.decode(token_ids[:1])))
+        else:
+            ids.append(None)
+    return texts, ids
+
+
 # -- generation ------------------------------------------------------------------------------------------
-async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str],
+async def _prompt_logprobs_first(events: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The same deltas, but each prompt's completions only after the delta carrying the prompt's logprobs
+    (completion 0's first; with ``n`` > 1 another completion's first delta may come before it), so every
+    echoed choice starts with the prompt's tokens."""
+    seen: set[int] = set()
+    held: dict[int, list[Delta]] = {}
+    try:
+        async for prompt_index, delta in events:
+            if prompt_index not in seen and delta.prompt_logprobs is None:
+                held.setdefault(prompt_index, []).append(delta)
+                continue
+            seen.add(prompt_index)
+            yield prompt_index, delta
+            for waiting in held.pop(prompt_index, []):
+                yield prompt_index, waiting
+        for prompt_index, waiting in held.items():  # never came (a failed request): what there is
+            for delta in waiting:
+                yield prompt_index, delta
+    finally:
+        await events.aclose()
+
+
+async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str | list[int]],
                   sampling: dict) -> AsyncIterator[tuple[int, Delta]]:
     """(prompt index, delta) of every prompt's request, as they arrive. Closing this iterator cancels every
     request still running."""
@@ -268,10 +318,14 @@ class _View:
     n: int
     top_n: int | None
     tools: ToolChoice | None = None
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
+    prompt_ids: list | None = None  # per prompt (token ids, first token's text), where echoed logprobs need them
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field is answered
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_input_tokens: dict[int, int] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)
+    raw_prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> vLLM's form
 
     def add(self, prompt_index: int, delta: Delta) -> tuple[int, _Choice, str, object]:
         """Records a delta; returns (choice index, its state, the new text, the new logprobs or None)."""
@@ -279,21 +333,39 @@ class _View:
         choice = self.choices.get(index)
         if choice is None:
             choice = self.choices[index] = _Choice(tool_parser=ToolCallParser(self.tools) if self.tools else None)
-        text = delta.text
+        if delta.prompt_logprobs is not None:
+            self.raw_prompt_logprobs[prompt_index] = delta.prompt_logprobs
+        text = "" if self.echo_only else delta.text
+        entries = [] if self.echo_only or self.top_n is None else _logprob_entries(delta, self.top_n)
         if self.echo and not choice.started:
             text = self.prompts[prompt_index] + text
+            if self.top_n is not None:
+                entries = self._prompt_entries(prompt_index) + entries
         choice.started = True
         choice.text.append(text)
         choice.finish_reason = delta.finish_reason or choice.finish_reason
-        choice.num_output_tokens = delta.num_output_tokens
+        choice.num_output_tokens = 0 if self.echo_only else delta.num_output_tokens
         self.num_input_tokens[prompt_index] = delta.num_input_tokens
         self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
         new_logprobs = None
         if self.top_n is not None:
-            entries = _logprob_entries(delta, self.top_n)
             choice.logprobs.extend(entries)
             new_logprobs = self.logprobs(entries, offset=sum(len(t) for t in choice.text[:-1]))
         return index, choice, text, new_logprobs
+
+    def _prompt_entries(self, prompt_index: int) -> list:
+        """The echoed prompt's (token, logprob, top) entries: the first token has no logprob (None)."""
+        raw = self.raw_prompt_logprobs.get(prompt_index)
+        ids, first_text = (self.prompt_ids or [None] * (prompt_index + 1))[prompt_index] or ([], "")
+        if raw is None or len(raw) != len(ids):
+            raise OpenAIError(500, "the prompt's logprobs did not come back with the answer", "internal_error")
+        entries = [(first_text, None, None)]
+        for token_id, alternatives in zip(ids[1:], raw[1:]):
+            ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
+            top = [(a["decoded_token"], a["logprob"]) for _, a in ranked[:self.top_n]]
+            entry = alternatives[str(token_id)]
+            entries.append((entry["decoded_token"], entry["logprob"], top))
+        return entries
 
     def logprobs(self, entries: list, offset: int = 0):
         """OpenAI's logprobs object for these tokens: chat's ``{"content": [...]}`` or the completions form
@@ -308,7 +380,8 @@ class _View:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+                "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
+                "text_offset": offsets}
 
     def usage(self) -> dict:
         prompt = sum(self.num_input_tokens.values())
@@ -359,8 +432,7 @@ async def _collect(view: _View, first, events) -> dict:
     for index in sorted(view.choices):
         choice = view.choices[index]
         text = "".join(choice.text)
-        offset = len(view.prompts[index // view.n]) if view.echo else 0
-        logprobs = view.logprobs(choice.logprobs, offset) if view.top_n is not None else None
+        logprobs = view.logprobs(choice.logprobs) if view.top_n is not None else None  # echoed: from the prompt
         if view.chat and choice.tool_parser is not None:
             parser = choice.tool_parser
             parser.feed(text)
@@ -376,7 +448,12 @@ async def _collect(view: _View, first, events) -> dict:
         else:
             choices.append({"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason})
-    return {**view.header(chunk=False), "choices": choices, "usage": view.usage()}
+            if view.prompt_logprobs:  # vLLM's field: per choice, its prompt's
+                choices[-1]["prompt_logprobs"] = view.raw_prompt_logprobs.get(index // view.n)
+    answer = {**view.header(chunk=False), "choices": choices, "usage": view.usage()}
+    if view.chat and view.prompt_logprobs:  # vLLM's field: once, for the one prompt
+        answer["prompt_logprobs"] = view.raw_prompt_logprobs.get(0)
+    return answer
 
 
 async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator[str]:

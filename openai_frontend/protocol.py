@@ -57,6 +57,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top-N at its position
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema (openai_frontend.structured)
 
@@ -69,10 +70,15 @@ class _Sampling(BaseModel):
                   "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
         for name in ("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                      "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
-                     "skip_special_tokens"):
+                     "skip_special_tokens", "prompt_logprobs"):
             values[name] = getattr(self, name)
         values["structured_outputs"] = structured_outputs(self.response_format, self.structured_outputs)
         return {k: v for k, v in values.items() if v is not None or k == "max_tokens"}
+
+    def check_prompt_logprobs(self) -> None:
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: they belong to the whole answer
+            raise OpenAIError(400, "prompt_logprobs are not available when stream is true", "invalid_value",
+                              "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -80,7 +86,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # A string, a list of strings, token ids, or a list of token-id lists (one request per prompt).
+    prompt: str | list[int] | list[list[int]] | list[str]
     echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -91,8 +98,22 @@ class CompletionRequest(_Sampling):
             raise OpenAIError(400, "suffix is not supported", "unsupported_parameter", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise OpenAIError(400, "best_of other than n is not supported", "unsupported_parameter", "best_of")
-        if isinstance(self.prompt, list) and not self.prompt:
+        if isinstance(self.prompt, list) and (not self.prompt or any(p == [] or p == "" for p in self.prompt)):
             raise OpenAIError(400, "prompt must not be empty", "invalid_value", "prompt")
+        for prompt in self.prompts:
+            if isinstance(prompt, list) and not all(0 <= t < 2**31 for t in prompt):
+                raise OpenAIError(400, "prompt token ids must be in [0, vocab size)", "invalid_value", "prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens 0 is only meaningful with echo (scoring the prompt)", "invalid_value",
+                              "max_tokens")
+        self.check_prompt_logprobs()
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -117,6 +138,7 @@ class ChatCompletionRequest(_Sampling):
             raise OpenAIError(400, "top_logprobs requires logprobs true", "invalid_value", "top_logprobs")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")
+        self.check_prompt_logprobs()
 
     def messages_for_template(self) -> list[dict]:
         """The messages as the chat template wants them: a list of text parts joined into one string."""

@@ -37,6 +37,7 @@ class Delta:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[dict[str, dict]] | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's form, on completion 0's first delta
 
 
 @dataclass
@@ -74,10 +75,12 @@ class TritonLLM:
             raise OpenAIError(503, f"Triton is unreachable: {exc.message()}", "service_unavailable") from None
         return [(m["name"], m.get("version", "")) for m in index.get("models", []) if m.get("state") == "READY"]
 
-    async def generate(self, model: str, version: str, prompt: str, sampling: dict) -> AsyncIterator[Delta]:
+    async def generate(self, model: str, version: str, prompt: str | list[int],
+                       sampling: dict) -> AsyncIterator[Delta]:
         """Streams the deltas of one request (every completion of an ``n`` > 1 request, told apart by index).
 
         Args:
+            prompt: text (the ``text_input`` input) or token ids (``input_ids``).
             sampling: the model's ``sampling_parameters`` (vLLM's names: ``max_tokens``, ``stop``, ...).
 
         Raises:
@@ -85,7 +88,7 @@ class TritonLLM:
         """
         done = asyncio.Event()
         request = {"model_name": model, "model_version": version, "request_id": uuid.uuid4().hex,
-                   "inputs": [_bytes_input("text_input", prompt), _bool_input("stream", True),
+                   "inputs": [_prompt_input(prompt), _bool_input("stream", True),
                               _bytes_input("sampling_parameters", json.dumps(sampling))]}
 
         async def requests():
@@ -121,16 +124,26 @@ def from_result(result) -> Delta:
     reason = reason.decode() if isinstance(reason, bytes) else str(reason)
     ids = result.as_numpy("output_ids")
     logprobs = first("logprobs", None)
+    prompt_logprobs = first("prompt_logprobs", None)
     return Delta(index=int(first("index")), text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
                  token_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)], finish_reason=reason or None,
                  num_input_tokens=int(first("num_input_tokens")), num_output_tokens=int(first("num_output_tokens")),
                  num_cached_tokens=int(first("num_cached_tokens")),
-                 logprobs=None if logprobs is None else json.loads(logprobs))
+                 logprobs=None if logprobs is None else json.loads(logprobs),
+                 prompt_logprobs=None if prompt_logprobs is None else json.loads(prompt_logprobs))
 
 
 def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, [1], "BYTES")
     tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
+    return tensor
+
+
+def _prompt_input(prompt: str | list[int]) -> grpcclient.InferInput:
+    if isinstance(prompt, str):
+        return _bytes_input("text_input", prompt)
+    tensor = grpcclient.InferInput("input_ids", [len(prompt)], "INT64")
+    tensor.set_data_from_numpy(np.array(prompt, dtype=np.int64))
     return tensor
 
 

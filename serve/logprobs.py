@@ -9,14 +9,18 @@ import json
 from backend.sampler import TokenLogprobs
 
 
-def vllm_logprobs(logprobs: list[TokenLogprobs], decode) -> str:
-    """JSON text of ``logprobs`` (natural logs of the model's raw distribution).
+def vllm_logprobs(logprobs: list[TokenLogprobs | None], decode) -> str:
+    """JSON text of ``logprobs`` (natural logs of the model's raw distribution); a None entry (the first prompt
+    token of prompt logprobs) is ``null``.
 
     Args:
         decode: token id -> its text (``lambda i: tokenizer.decode([i])``).
     """
     steps = []
     for step in logprobs:
+        if step is None:
+            steps.append(None)
+            continue
         entries = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
                    for rank, (token_id, logprob) in enumerate(step.top.items(), start=1)}
         entries[str(step.token_id)] = {"logprob": step.logprob, "rank": step.rank,

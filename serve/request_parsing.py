@@ -64,7 +64,7 @@ class ParsedRequest:
         timeout_ms: the request's deadline, in milliseconds from its arrival; None for none.
     """
 
-    prompt: str
+    prompt: str | list[int]  # text_input, or the input_ids tensor's token ids
     params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
@@ -101,13 +101,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             the deadline when no ``timeout_ms`` is given.
 
     Raises:
-        ValueError: a message naming the field: missing ``text_input``, bad or oversized JSON, a value of the
+        ValueError: a message naming the field: neither or both of ``text_input`` and ``input_ids``, bad or
+            oversized JSON, a value of the
             wrong type or out of range (quoting the value sent), ``beam_width`` other than 1, a
             ``timeout_ms`` that is not positive.
     """
-    if "text_input" not in inputs or inputs["text_input"].size == 0:
-        raise ValueError("text_input is required")
-    prompt = _text("text_input", _first(inputs["text_input"]))
+    prompt = _prompt(inputs)
 
     scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS, **SCHEDULING_INPUTS}
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
@@ -165,6 +164,21 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None
     return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns)
+
+
+def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:
+    """The prompt: ``text_input`` (text), or ``input_ids`` (token ids, as TensorRT-LLM's input of that name and
+    vLLM's ``prompt_token_ids``), exactly one of them; ids are range-checked by the engine."""
+    has_text = "text_input" in inputs and inputs["text_input"].size > 0
+    has_ids = "input_ids" in inputs and inputs["input_ids"].size > 0
+    if has_text == has_ids:
+        raise ValueError("send the prompt as text_input or as input_ids (token ids), exactly one of them")
+    if has_text:
+        return _text("text_input", _first(inputs["text_input"]))
+    ids = inputs["input_ids"]
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"input_ids must be integers, got {ids.dtype}")
+    return [int(t) for t in ids.reshape(-1)]
 
 
 def _vllm_request_fields(values: dict[str, object]) -> dict[str, object]:

@@ -207,18 +207,85 @@ def test_chat_logprobs_top_1_is_the_sampled_token_at_temperature_0(client):
     assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in content], abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def score(default_model_dir):
+    """Token ids -> each token's fp32 log-probability given those before it (transformers; the first: None)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(ids: list[int]) -> list[float | None]:
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return [None] + [float(logprobs[j - 1, ids[j]]) for j in range(1, len(ids))]
+    return run
+
+
 @pytest.mark.server
-def test_completion_logprobs_and_echo_offsets(client):
-    out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
-                                    echo=True)
+def test_echo_with_logprobs_returns_the_prompt_tokens_scored_by_the_model(client, tokenizer, score):
+    """What evaluation harnesses (lm-eval's local-completions) send to score a continuation."""
+    ids = tokenizer.encode(PROMPT)
+    out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True)
     logprobs = out.choices[0].logprobs
-    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
-    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(lp)
-               for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
-    assert logprobs.text_offset[0] == len(PROMPT)
-    assert out.choices[0].text == PROMPT + "".join(logprobs.tokens)
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(ids) + 6
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    want = score(ids)
+    for j in range(1, len(ids)):
+        assert logprobs.token_logprobs[j] == pytest.approx(want[j], abs=1e-3), f"prompt token {j}"
+        assert logprobs.tokens[j] == tokenizer.decode([ids[j]])
+    assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6
+               for top, lp in zip(logprobs.top_logprobs[1:], logprobs.token_logprobs[1:]))
+    assert out.choices[0].text == PROMPT + "".join(logprobs.tokens[len(ids):])
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    assert logprobs.text_offset[len(ids)] == len(PROMPT)
     plain = client.completions.create(model="llm", prompt=PROMPT, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.server
+def test_echo_with_max_tokens_0_scores_token_id_prompts_alone(client, tokenizer, score):
+    batch = [tokenizer.encode(PROMPT), tokenizer.encode("Water boils at 100 degrees")]
+    out = client.completions.create(model=FP32, prompt=batch, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, ids in zip(out.choices, batch):
+        assert choice.text == tokenizer.decode(ids)
+        assert choice.logprobs.token_logprobs == pytest.approx(score(ids), abs=1e-3)
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == sum(len(ids) for ids in batch)
+    generated = client.completions.create(model=FP32, prompt=batch[0], max_tokens=4, temperature=0)
+    assert generated.choices[0].text == client.completions.create(
+        model=FP32, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
+        client.completions.create(model=FP32, prompt=PROMPT, max_tokens=0)
+
+
+@pytest.mark.server
+def test_vllm_prompt_logprobs_field(client, tokenizer, score):
+    ids = tokenizer.encode(PROMPT)
+    out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 1})
+    prompt_logprobs = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    for j, entry in enumerate(prompt_logprobs[1:], start=1):
+        assert entry[str(ids[j])]["logprob"] == pytest.approx(score(ids)[j], abs=1e-3)
+        assert any(e["rank"] == 1 for e in entry.values())
+    chat = client.chat.completions.create(model=FP32, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 5
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model=FP32, prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1})
+
+
+@pytest.mark.server
+def test_streamed_echo_with_logprobs_and_n_starts_every_choice_with_the_prompt(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    chunks = list(client.completions.create(model=FP32, prompt=PROMPT, max_tokens=3, temperature=1, seed=3, n=3,
+                                            logprobs=0, echo=True, stream=True))
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].text.startswith(PROMPT)
+        tokens = [t for c in mine for t in c.logprobs.tokens]
+        assert len(tokens) == len(ids) + 3 and mine[0].logprobs.token_logprobs[0] is None
 
 
 def test_make_serve_stops_tritonserver_and_the_frontend_together():

@@ -65,6 +65,8 @@ class _InFlight:
     log_probs: dict[int, list[float]] = field(default_factory=dict)  # completion index -> per-token logprobs
     top_log_probs: dict[int, list] = field(default_factory=dict)  # completion index -> TokenLogprobs (non-streaming)
     returns: frozenset[str] = frozenset()  # the vLLM backend's return_* inputs that were true
+    prompt_logprobs: bool = False  # send the prompt_logprobs output
+    prompt_lp: dict[int, list] = field(default_factory=dict)  # completion index -> its prompt logprobs (non-streaming)
     wanted: frozenset[str] = frozenset()  # the outputs the client asked for (all of them when it named none)
 
 
@@ -119,9 +121,12 @@ class TritonPythonModel:
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout())
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
+            if not isinstance(prefix, str):  # input_ids: the ids' text
+                prefix = self.engine.tokenizer.decode(prefix)
             state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None,
-                              returns=parsed.returns, wanted=frozenset(request.requested_output_names()))
-            if len(parsed.prompt) > INLINE_TOKENIZE_BYTES // 4:  # may be over INLINE_TOKENIZE_BYTES
+                              returns=parsed.returns, wanted=frozenset(request.requested_output_names()),
+                              prompt_logprobs=parsed.params.prompt_logprobs is not None)
+            if isinstance(parsed.prompt, str) and len(parsed.prompt) > INLINE_TOKENIZE_BYTES // 4:
                 check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes, self.engine.max_model_len)
                 if len(parsed.prompt.encode("utf-8", "surrogatepass")) > INLINE_TOKENIZE_BYTES:
                     self.inflight[request_id] = state
@@ -284,6 +289,8 @@ class TritonPythonModel:
                 if state.logprobs:
                     extra = [*_log_prob_tensors(new_log_probs, [sum(log_probs)]),
                              self._vllm_logprobs([out.logprobs or []])]
+                if state.prompt_logprobs:
+                    extra.append(self._vllm_logprobs([out.prompt_logprobs], "prompt_logprobs"))
                 extra += _vllm_outputs(state, [sum(log_probs)], [len(out.token_ids)])
                 state.sender.send(_response(state.wanted, [out.text], out.token_ids, [out], extra), flags=flags)
                 self.num_responses += 1
@@ -292,6 +299,8 @@ class TritonPythonModel:
         state.token_ids.setdefault(out.index, []).extend(out.token_ids)
         if state.logprobs:
             state.top_log_probs.setdefault(out.index, []).extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            state.prompt_lp[out.index] = out.prompt_logprobs
         if out.finished:
             state.finished[out.index] = out
         if out.done:
@@ -303,17 +312,21 @@ class TritonPythonModel:
             if state.logprobs:
                 extra = [*_log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index]),
                          self._vllm_logprobs([state.top_log_probs.get(i, []) for i in order])]
+            if state.prompt_logprobs:
+                extra.append(self._vllm_logprobs([state.prompt_lp.get(i) for i in order], "prompt_logprobs"))
             extra += _vllm_outputs(state, [sum(lps) for lps in per_index],
                                    [state.finished[i].num_output_tokens for i in order])
             state.sender.send(_response(state.wanted, texts, ids, [state.finished[i] for i in order], extra),
                               flags=FINAL)
             self.num_responses += 1
 
-    def _vllm_logprobs(self, per_completion: list[list]):
-        """The ``logprobs`` output (vLLM backend's JSON form), one string per completion."""
+    def _vllm_logprobs(self, per_completion: list[list | None], name: str = "logprobs"):
+        """The ``logprobs`` (or ``prompt_logprobs``) output in the vLLM backend's JSON form, one string per
+        completion (``null`` for a completion without them)."""
         decode = lambda token_id: self.engine.tokenizer.decode([token_id])  # noqa: E731
-        texts = [vllm_logprobs(steps, decode).encode("utf-8") for steps in per_completion]
-        return pb_utils.Tensor("logprobs", np.array(texts, dtype=np.object_))
+        texts = [b"null" if steps is None else vllm_logprobs(steps, decode).encode("utf-8")
+                 for steps in per_completion]
+        return pb_utils.Tensor(name, np.array(texts, dtype=np.object_))
 
 
 def _log_prob_tensors(output_log_probs: list[float], cum_log_probs: list[float]) -> list:
