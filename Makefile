@@ -1,5 +1,6 @@
 # One entry point per job. `make serve` starts tritonserver and the OpenAI frontend (OPENAI_PORT, 9000; 0: none).
-# `make serve` and `make test` work from a fresh clone: they install first.
+# `make serve` and `make test` work from a fresh clone: they install first. `make test` runs the fast tests (CI),
+# `make test-slow` the heavy ones (marker `slow`) after installing requirements-slow.txt; `make docs` serves docs/.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,8 +14,9 @@ BENCH_ARGS ?=
 LOADTEST_ARGS ?=
 SOAK_TIME ?= 30m
 SOAK_USERS ?= 64
+DOCS_ADDR ?= 127.0.0.1:8080
 
-.PHONY: install serve test test-fast bench bench-peers bench-serving-path loadtest soak clean
+.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-serving-path loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -31,10 +33,19 @@ serve: install
 		--openai-port $(OPENAI_PORT)
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(BIN)/pip install -q -r requirements-slow.txt
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not server" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not server and not slow" $(PYTEST_ARGS)
+
+# The documentation site (MkDocs Material) at http://$(DOCS_ADDR), rebuilt on every edit; not on 8000 (Triton's).
+docs: install
+	$(BIN)/pip install -q -r requirements-slow.txt
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
 
 bench: install
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
@@ -43,7 +54,7 @@ bench: install
 bench-peers: install
 	$(BIN)/python -m benchmarks --systems engine,vllm $(BENCH_ARGS)
 
-# The serving path alone (zero-cost model through tritonserver at 1/64/256/1024 streams): README "Serving path".
+# The serving path alone (zero-cost model through tritonserver at 1/64/256/1024 streams): docs/performance.md.
 bench-serving-path: install
 	$(BIN)/python -m benchmarks.serving_path $(BENCH_ARGS)
 
@@ -60,4 +71,4 @@ soak: install
 		--stop-timeout 300 --idle-timeout 60 --output-dir results/soak $(LOADTEST_ARGS)
 
 clean:
-	rm -rf build results .pytest_cache
+	rm -rf build results site .pytest_cache

@@ -13,7 +13,7 @@ counts for each step the bytes it must read:
   KV heads x head_dim x the element size.
 
 It prints, per kind of step, the time, the bytes and the rate they were read at, and with ``--gbps`` the run's
-floor: its bytes at that bandwidth (what a plain reader gets on the machine, e.g. ``bw`` in the closing notes).
+floor: its bytes at that bandwidth (what a plain multi-threaded reader of a large buffer gets on the machine).
 Both our engine and vLLM read these same bytes, so on a machine where they bound the step the two engines'
 ratio is set by how much of the bandwidth each keeps busy.
 """

@@ -10,7 +10,7 @@ Both runs generate the same number of tokens per request from the same chat prom
 integers, so its output is about as long) whose grammar ends each request by itself. Each round runs
 free then schema, one after the other on one engine (warmed up first, grammar compiled before timing), so
 a machine whose load changes hurts both alike; the report gives every round and the median overhead
-(issue 16's goal: under 10%), in tokens/s (wall clock) and in this process's CPU time per token (which other
+(the aim: under 10%), in tokens/s (wall clock) and in this process's CPU time per token (which other
 work on a shared machine disturbs less). Prints one JSON object per round and a summary line.
 """
 

@@ -24,7 +24,7 @@ SAMPLING_INPUTS: dict[str, type] = {
 }
 FLAG_INPUTS = ("stream", "exclude_input_in_output")
 # Triton's vLLM backend's optional BOOL inputs: each asks for the output of the same name without "return_"
-# (ParsedRequest.returns). Their outputs follow vllm_backend's meaning (see model.py and the README).
+# (ParsedRequest.returns). Their outputs follow vllm_backend's meaning (see model.py and docs/triton-api.md).
 RETURN_INPUTS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                  "return_num_output_tokens")
 LIST_INPUTS = ("stop", "stop_token_ids", "bad_words")  # lists (STRING [-1] tensors, JSON arrays)

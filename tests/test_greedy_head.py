@@ -88,8 +88,8 @@ def test_rows_that_are_not_finite_take_the_full_logits():
 
 
 def test_a_huge_row_against_a_tiny_head_takes_the_full_logits():
-    """|x| past fp32's range with weights small enough that |x| max|W_i| looks harmless (found by a reviewer: bf16(x)
-    and |x'| overflowed, inf * 0 made NaN bounds, and the token with the largest logit was dropped)."""
+    """|x| past fp32's range with weights small enough that |x| max|W_i| looks harmless: bf16(x) and |x'| overflow,
+    inf * 0 makes NaN bounds, and without a guard the token with the largest logit would be dropped."""
     weight = torch.zeros(16, 32)
     weight[1, 0] = -1e-10
     weight[3, 0], weight[3, 1] = 1e-39, 2e-9

@@ -1,4 +1,4 @@
-"""The OpenAI frontend with the official ``openai`` SDK, against a real tritonserver (the session's) and the
+"""The OpenAI frontend with the official ``openai`` SDK, against a real tritonserver (the test run's) and the
 frontend served in-process by uvicorn on a free port.
 
 Tests that compare two greedy answers address ``llm/1``, which runs fp32: version 2 may run bf16, where the

@@ -1,5 +1,5 @@
 """Structured outputs and tool calls through the OpenAI frontend, with the official SDK, the real tritonserver
-and the real SmolLM2 (shares test_openai_frontend's frontend and the session's server)."""
+and the real SmolLM2 (shares test_openai_frontend's frontend and the test run's server)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The real tritonserver with the request shapes existing Triton LLM clients send, and issue 12's edges:
+"""The real tritonserver with the request shapes existing Triton LLM clients send, and the edges:
 sampling edges, finish reasons, input limits, cancellation of queued requests."""
 
 from __future__ import annotations

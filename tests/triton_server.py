@@ -1,4 +1,4 @@
-"""A real tritonserver for tests: started on free ports, stopped at the end of the session."""
+"""A real tritonserver for tests: started on free ports, stopped at the end of the test run."""
 
 from __future__ import annotations
 

@@ -5,8 +5,6 @@
 // of SmolLM2 (30 layers), measured as a step's time outside the kernels (batch 16: 4.7 of 33.7 ms; batch 48: 5.3
 // of 52.4). The same kernels in the same order from here; the results are bit-identical to the Python loop.
 // (The CPU's counterpart of replaying a CUDA graph captured for decode steps, as vLLM and nano-vllm do on GPUs.)
-// Engine steps alternating the two (SmolLM2, context 300, bf16): batch 1 13.0 -> 10.5 ms, 16: 23.2 -> 20.2,
-// 48: 41.6 -> 37.6; fp32 batch 32: 76.5 -> 71.9.
 #include "common.h"
 
 #include <tuple>

@@ -10,9 +10,9 @@
 // 64, context 200, bf16: 1.1 ms per layer against 1.8 ms for the per-key `generic_kernel` below, which is
 // then bound by reading the cache (about 18 GB/s). The softmax of a tile runs on 16 lanes (AVX-512), and bf16
 // keys are scored with AVX512-BF16's `vdpbf16ps` (pairs of exact products summed in fp32) where the CPU has it.
-// With AMX (bf16, blocks of whole 16-token tiles) `amx_decode_kernel` scores the keys on tiles instead: 30 layers,
-// batch 48, context 200-400, cache out of the CPU's caches, 2 threads: 40.0 -> 34.3 ms against 30.9 for a plain
-// reader of the same blocks; in the engine's steps 38.4 -> 33.9 ms a step (builds alternating).
+// With AMX (bf16, blocks of whole 16-token tiles) `amx_decode_kernel` scores the keys on tiles instead, which brings
+// the kernel within about 10% of a plain reader of the same blocks (30 layers, batch 48, context 200-400, cache out
+// of the CPU's caches, 2 threads).
 // `generic_kernel` serves every other shape and fp16. `prefill_tile_kernel` (below) does the prompt rows of a
 // step, causal, over the same blocks (FlashAttention's tiling over query rows and keys, Dao et al. 2022).
 #include "common.h"
@@ -135,10 +135,8 @@ constexpr int64_t PREFETCH_TOKENS = 32;
 // token i's key row while key i is scored, its value row while value i is summed (`attend_tile`, first query heads
 // of each KV head). Issued all at once at the tile's start instead, the 16 rows' lines (24 KiB in fp32 for
 // SmolLM2's three KV heads) overflow the core's queue of misses; the loads wait on memory and the arithmetic on the
-// loads, in turn, where spread out the two overlap. Zen 4, 2 threads, SmolLM2 shapes, 30 layers, batch 40, context
-// 450, blocks in random order, cache out of the CPU's caches (`attn_ab.py`, medians, runs alternating): fp32
-// 57-60 -> 46-50 ms, bf16 39-42 -> 21-23 ms; engine decode steps at batch 40, context 450, fp32: 117 / 125 -> 104
-// / 109 ms.
+// loads, in turn, where spread out the two overlap (on Zen 4 with the cache out of the CPU's caches this makes the
+// kernel about 20% faster in fp32 and nearly twice as fast in bf16).
 struct TilePrefetch {
   const char* keys[16];
   const char* values[16];
@@ -224,9 +222,8 @@ constexpr int widened_index(int d) { return (d / 32) * 32 + (d % 2) * 16 + (d % 
 
 // `NG` query heads sharing one KV head against one tile of `n` (<= 16) keys, updating their running maxima, sums
 // and accumulators (online softmax). The heads go together so that their dependency chains interleave (one head
-// alone waits on its softmax, then on 16 multiply-adds in a row per accumulator): SmolLM2's groups of three, 30
-// layers, batch 48, bf16, 2 threads: 27.3 -> 26.1 ms with the cache out of the CPU's caches, 2.4 -> 2.2 ms in
-// them. `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored (bf16 dot products); `qv`: the
+// alone waits on its softmax, then on 16 multiply-adds in a row per accumulator; interleaved, SmolLM2's groups of
+// three run about 5-10% faster, cache cold or warm). `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored (bf16 dot products); `qv`: the
 // queries in fp32, already scaled, NG x C vectors; `kt` / `vt`: the tile's keys / values in fp32, 16 x C vectors.
 template <typename T, int D, bool BF16_DOT, int NG>
 inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* key_rows,
@@ -235,8 +232,8 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
   constexpr int C = D / 16;
   alignas(64) float scores[NG][16];
   for (int g = 0; g < NG; ++g) {
-    // The 16 dot products unrolled, in registers with the head's query (a loop over i < n spilled them and reloaded
-    // the query for each key: fp32, 30 layers, batch 40, context 450, cold 41.5 -> 38.1 ms, in cache 7.6 -> 6.4).
+    // The 16 dot products unrolled, in registers with the head's query (a loop over i < n spills them and reloads
+    // the query for each key).
     // Rows past n are the tile's last key again (see tile_kernel; in the fp32 tiles of bf16 without vdpbf16ps, the
     // previous tile's) and their lanes are masked below.
     vf16 qg[C];
@@ -249,7 +246,7 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
       if constexpr (BF16_DOT) {
         d = dot_bf16<D>(q_raw[g], key_rows[i] + kv_offset);
       } else if constexpr (std::is_same_v<T, float>) {  // fp32 keys and values read in place, not copied into tiles
-        // (30 layers, batch 48, context 200-400, cold: 39.3 -> 36.2 ms, bit-identical)
+        // (a copy would only add traffic; the result is bit-identical)
         const float* key = key_rows[i] + kv_offset;
         d = qg[0] * load_vf16(key);
         for (int c = 1; c < C; ++c) d += qg[c] * load_vf16(key + 16 * c);
@@ -350,9 +347,9 @@ inline std::vector<int32_t> longest_first(const int64_t* seq_lens, int64_t batch
 // One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
 // each 16-token tile is read as contiguous rows (the cache interleaves heads per token), which the prefetchers
 // follow; measured 1.5 vs 1.8 ms per layer against one head per task with the cache out of the CPU's caches.
-// Threads take tasks one at a time, longest first, rather than fixed shares: 30 layers, batch 48, context
-// 200-400, bf16, 2 threads: 29.3 vs 28.6 ms alone; 38.9 -> 33.5 ms (medians of 12) while another process takes
-// 300 us of every 1.5 ms on one of the cores, as tritonserver's and the stub's response threads do.
+// Threads take tasks one at a time, longest first, rather than fixed shares: as fast when the cores are free, and
+// when another process takes a share of one core (as tritonserver's and the stub's response threads do) the other
+// thread takes over its tasks instead of waiting for it at the barrier (about 15% faster then, 2 threads).
 template <typename T, int D>
 void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
                  const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -777,8 +774,8 @@ void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_
 // bf16 prefill with the scores on AMX tiles, as `amx_decode_kernel` does for decode: a task is one sequence's KV
 // head and 16 of its query vectors (vector v: query row v / group, head v % group of the KV head), the score
 // tile's 16 columns; each 16-token tile of keys is loaded as an A tile straight from its block, and the causal
-// limit is a per-column mask (column v sees keys up to its row's position). 30 layers of SmolLM2's shapes, 2
-// threads, against `prefill_tile_kernel`: 20 prompts of 100 tokens 47.4 -> 35.7 ms, 7 of 300 122.9 -> 70.8 ms.
+// limit is a per-column mask (column v sees keys up to its row's position). Against `prefill_tile_kernel` on
+// SmolLM2's shapes (2 threads) this takes a quarter of the time off short prompts and over 40% off 300-token ones.
 template <int D>
 void amx_prefill_kernel(bf16* out, const bf16* q, int64_t q_row_stride, const bf16* key_cache,
                         const bf16* value_cache, const int64_t* block_tables, const int64_t* cu_seqlens,

@@ -1,13 +1,12 @@
-// GEMMs of decode steps (at most 64 rows) on AMX tiles (or vector units), streaming the weights from a layout
-// packed for the tiles.
+// GEMMs of decode steps (at most 64 rows on AMX tiles, up to 256 on vector units: small_gemm_max_rows), streaming
+// the weights from a layout packed for the tiles.
 // A decode step's GEMMs read every weight once and do little arithmetic per byte: they are bound by how fast the
 // weights stream from memory. oneDNN's prepacked path (used for larger batches and prompts) reaches ~14 GB/s at
-// one to 48 rows on this project's 2-core AMX Xeon; this kernel, each thread walking its own contiguous run of
-// 1 KiB weight tiles, ~20 GB/s (a step's 121 GEMMs of SmolLM2-135M: 17.8 -> 12.8 ms at 1 row, 18.6 -> 14.5 at 16,
-// 22.6 -> 19.9 at 48). Intel AMX: tdpbf16ps multiplies a 16 x 32 bf16 tile of rows by a 32 x 16 tile of weights
+// one to 48 rows on a 2-core AMX Xeon; this kernel, each thread walking its own contiguous run of 1 KiB weight
+// tiles, ~20 GB/s (a step's 121 GEMMs of SmolLM2-135M take 12-30% less time than oneDNN's). Intel AMX: tdpbf16ps multiplies a 16 x 32 bf16 tile of rows by a 32 x 16 tile of weights
 // (stored as 16 rows of 16 pairs of consecutive k) into 16 x 16 fp32. fp32 weights take AVX-512 multiply-adds
-// instead (4 blocks of 16 outputs by up to 6 rows in registers, each weight vector used by every row): a step's
-// GEMMs 32.7 -> 20.7 ms at 1 row, 41.1 -> 32.2 at 12, 80.9 -> 67.4 at 48. bf16 weights on CPUs without AMX (AMD
+// instead (4 blocks of 16 outputs by up to 6 rows in registers, each weight vector used by every row, so each
+// weight is read from memory once per 6 rows). bf16 weights on CPUs without AMX (AMD
 // Zen 4) take the same register blocking with AVX512-BF16's vdpbf16ps on the tile layout (one vector: 16 outputs x 2
 // consecutive k, the row's pair broadcast): a step's GEMMs against oneDNN on a 2-core Zen 4, medians of 8, 1 row
 // 9.5 vs 15.0 ms, 16 rows 14.9 vs 18.8, 48 rows 36.1 vs 46.5, 64 rows 46.8 vs 55.5.
@@ -78,9 +77,8 @@ inline void tile_store_n(int t, float* c) {
 // CH (1 or 2) 16-row chunks of x (chunk i at a[i], rows K apart) against NBT consecutive 16-output blocks of
 // weights (`step` elements apart) at once: C tile i * NBT + j (<= 6 of them), A 6, B 7. Each chunk's A tile is
 // loaded once per 32 k for all NBT blocks (the B tiles after the first chunk's come from L1), not once per block:
-// over 16 rows a step's GEMMs load x from L2 three times less often. A step's 121 GEMMs (SmolLM2-135M, cold
-// weights, medians of 12 on a noisy machine), one block per chunk -> this: 21.7 -> 17.8 ms at 32 rows, 25.9 ->
-// 23.7 at 48, 29.6 -> 28.0 at 56, 31.0 -> 28.2 at 64; results bit-identical (each output's sums in one order).
+// over 16 rows a step's GEMMs load x from L2 three times less often (5-18% faster than one block per chunk at 32-64
+// rows); results bit-identical (each output's sums in one order).
 template <int CH, int NBT>
 inline void tile_multi(const bf16* const* a, int64_t K, const bf16* w, int64_t step, float* c) {
 #pragma GCC unroll 8
@@ -112,9 +110,8 @@ MultiFn pick_multi(int64_t chunks, int64_t blocks) {
 
 #if LLM_HAVE_AVX512
 // One output row of a block: dst[0..16) = bf16(row[0..16) + bias), rounded to nearest even exactly as
-// from_float<bf16> rounds, 16 lanes at once (GCC left the scalar loop with its bias test unvectorized): a step's
-// 121 GEMMs, medians of 12-16 with the builds alternating, 8 rows 23.2 -> 21.0 ms, 16 rows 25.2 -> 24.2, 48 rows
-// 42.4 -> 40.2; bit-identical.
+// from_float<bf16> rounds, 16 lanes at once (GCC leaves the scalar loop with its bias test unvectorized);
+// bit-identical to the scalar rounding.
 inline void store_row16(bf16* dst, const float* row, const bf16* bias) {
   __m512 v = _mm512_load_ps(row);
   if (bias) {
