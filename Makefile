@@ -35,9 +35,15 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-slow: install
+test-slow: install .venv-lmeval/.installed
 	$(BIN)/pip install -q -r requirements-slow.txt
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# lm-evaluation-harness in a venv of its own: it needs numpy 2, Triton's Python backend stub numpy < 2.
+.venv-lmeval/.installed: requirements-lmeval.txt
+	$(PYTHON) -m venv .venv-lmeval
+	.venv-lmeval/bin/pip install -q -r requirements-lmeval.txt
+	touch $@
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not server and not slow" $(PYTEST_ARGS)

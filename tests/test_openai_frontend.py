@@ -6,41 +6,19 @@ output depends on what shares the batch and on prefix-cache hits."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import openai
 import pytest
 import requests
-import uvicorn
 
-from openai_frontend.app import FrontendConfig, create_app
 from openai_frontend.errors import error_from_triton
-from triton_server import free_port, settled
+from triton_server import settled
 
 PROMPT = "The three primary colors are"
 FP32 = "llm/1"  # greedy output independent of batch and prefix cache
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
-
-
-@pytest.fixture(scope="module")
-def frontend(triton_server):
-    """The frontend's base URL (``http://127.0.0.1:<port>``), serving until the module's tests end."""
-    port = free_port()
-    config = uvicorn.Config(create_app(FrontendConfig(triton_url=triton_server.grpc_url)), host="127.0.0.1",
-                            port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the frontend did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
 
 
 @pytest.fixture(scope="module")
