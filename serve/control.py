@@ -11,8 +11,9 @@ The key comes from ``TRITON_ADMIN_KEY``, else the file named by ``TRITON_ADMIN_K
 random one per start; every caller inside the launcher (drain, stub reload) sends it in the HTTP header
 ``triton-admin-key`` (a gRPC client sends it as ``triton-grpc-protocol-triton-admin-key``: Triton's gRPC
 server prefixes the name it checks with ``triton-grpc-protocol-``). A request without it, or with another
-value, gets HTTP 403 or gRPC UNAVAILABLE ("This API is restricted"). The model's own unload on engine death (``serve.health``) goes through the Python
-backend's in-process call, not through HTTP or gRPC, and needs no key.
+value, gets HTTP 403 or gRPC UNAVAILABLE ("This API is restricted"). The model's own unload on engine death
+(``serve.health``) goes through the Python backend's in-process call, not through HTTP or gRPC, and needs no
+key.
 """
 
 from __future__ import annotations
