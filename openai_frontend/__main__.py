@@ -9,6 +9,8 @@ from pathlib import Path
 import uvicorn
 
 from openai_frontend.app import DEFAULT_MODEL_REPOSITORY, FrontendConfig, create_app
+from openai_frontend.auth import KEY_ENV, KEY_FILE_ENV, load_api_key
+from openai_frontend.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, Limits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,10 +25,25 @@ def main(argv: list[str] | None = None) -> None:
                         help="one tokenizer (HF directory or .gguf) for every model instead")
     parser.add_argument("--chat-template", type=Path, default=None,
                         help="a Jinja chat template file used instead of the tokenizer's")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer <key>' on every route but /health and /metrics "
+                             f"(default: ${KEY_ENV}; none: open). Visible in ps: prefer ${KEY_ENV} or a file")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help=f"read the API key from the first line of this file (default: ${KEY_FILE_ENV})")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413 before they are read (default 8 MiB)")
+    parser.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="most completions (prompts times n) one request may ask for; more get 400 "
+                             "(default 256)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    try:
+        api_key = load_api_key(args.api_key, args.api_key_file)
+        limits = Limits(args.max_request_body_bytes, args.max_prompts_per_request)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
-                            args.chat_template.read_text() if args.chat_template else None)
+                            args.chat_template.read_text() if args.chat_template else None, api_key, limits)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
 
 

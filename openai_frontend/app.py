@@ -23,7 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from openai_frontend.auth import protect
 from openai_frontend.errors import OpenAIError
+from openai_frontend.limits import Limits, check_completion_count, install_limits, max_model_len, render_token_ids
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.tool_calls import ToolCallParser, ToolChoice, messages_for_plain_template
 from openai_frontend.triton_stream import Delta, TritonLLM
@@ -36,16 +38,19 @@ class FrontendConfig:
     """Args: triton_url: Triton's gRPC ``host:port``. model_repository: where each model's tokenizer is
     found (config.pbtxt's ``model`` parameter, overridden by ``<version>/engine.json``). tokenizer: one
     tokenizer (directory or .gguf) for every model instead. chat_template: a Jinja template (text) used
-    instead of the tokenizer's."""
+    instead of the tokenizer's. api_key: required as ``Authorization: Bearer`` when set
+    (``openai_frontend.auth``). limits: request bounds (``openai_frontend.limits``)."""
 
     triton_url: str = "localhost:8001"
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     tokenizer: str | None = None
     chat_template: str | None = None
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
-    triton = TritonLLM(config.triton_url)
+    triton = TritonLLM(config.triton_url, config.model_repository)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,6 +59,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     app = FastAPI(title="Triton LLM, OpenAI API", lifespan=lifespan)
     app.state.triton = triton
+    install_limits(app, config.limits)
+    protect(app, config.api_key)  # added last: the outermost, so an unauthenticated body is never read
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
@@ -84,8 +91,9 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check()
-        name, version = await _resolve(triton, body.model)
         prompts = body.prompts
+        check_completion_count(len(prompts), body.n, config.limits)
+        name, version = await _resolve(triton, body.model)
         # echo with max_tokens 0 scores the prompt alone (as vLLM: one token is generated and dropped).
         echo_only = bool(body.echo) and body.max_tokens == 0
         max_tokens = 1 if echo_only else body.max_tokens if body.max_tokens is not None else 16
@@ -108,6 +116,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check()
+        check_completion_count(1, body.n, config.limits)
         tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -132,9 +141,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.post("/v1/completions/render")
     async def completions_render(body: CompletionRequest):
         body.check()
+        prompts = body.prompts
+        check_completion_count(len(prompts), 1, config.limits)
         name, version = await _resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
-        return [{"token_ids": tokenizer.encode(p) if isinstance(p, str) else p} for p in body.prompts]
+        ids = await render_token_ids(tokenizer, prompts, max_model_len(config.model_repository, name, version))
+        return [{"token_ids": token_ids} for token_ids in ids]
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest):
@@ -142,7 +154,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         name, version = await _resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
         prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template)
-        return {"token_ids": tokenizer.encode(prompt)}
+        (ids,) = await render_token_ids(tokenizer, [prompt], max_model_len(config.model_repository, name, version))
+        return {"token_ids": ids}
 
     return app
 

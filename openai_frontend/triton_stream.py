@@ -13,6 +13,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -42,9 +43,11 @@ class Delta:
 
 @dataclass
 class TritonLLM:
-    """A connection to Triton's gRPC endpoint (``host:port``)."""
+    """A connection to Triton's gRPC endpoint (``host:port``); the models offered are those of
+    ``model_repository`` (its directories) that Triton serves."""
 
     url: str
+    model_repository: Path | None = None
     _client: grpcclient.InferenceServerClient | None = field(default=None, init=False)
 
     @property
@@ -64,16 +67,32 @@ class TritonLLM:
             return False
 
     async def models(self) -> list[tuple[str, str]]:
-        """(name, version) of every model version Triton reports READY.
+        """(name, version) of every READY version of the models in ``model_repository``.
+
+        Asked through model metadata (one call per model, its ``versions`` are the READY ones), not the
+        repository index: the launcher keeps the repository API behind Triton's admin key
+        (``serve.control``), which this public-facing process does not hold.
 
         Raises:
             OpenAIError: 503 when Triton cannot be reached.
         """
-        try:
-            index = await self.client.get_model_repository_index(as_json=True)
-        except InferenceServerException as exc:
-            raise OpenAIError(503, f"Triton is unreachable: {exc.message()}", "service_unavailable") from None
-        return [(m["name"], m.get("version", "")) for m in index.get("models", []) if m.get("state") == "READY"]
+        names = sorted(p.name for p in self.model_repository.iterdir() if p.is_dir()) \
+            if self.model_repository is not None and self.model_repository.is_dir() else []
+
+        async def versions(name: str) -> list[tuple[str, str]]:
+            try:
+                metadata = await self.client.get_model_metadata(name, as_json=True)
+            except InferenceServerException:  # unknown to Triton, or no version READY
+                return []
+            return [(name, str(v)) for v in metadata.get("versions", [])] or [(name, "")]
+
+        found = [pair for pairs in await asyncio.gather(*(versions(n) for n in names)) for pair in pairs]
+        if not found:
+            try:
+                await self.client.is_server_live()
+            except InferenceServerException as exc:
+                raise OpenAIError(503, f"Triton is unreachable: {exc.message()}", "service_unavailable") from None
+        return found
 
     async def generate(self, model: str, version: str, prompt: str | list[int],
                        sampling: dict) -> AsyncIterator[Delta]:

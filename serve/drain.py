@@ -1,10 +1,11 @@
 """Draining with a grace period, on tritonserver 2.51's Python backend.
 
-When a model is unloaded (``POST /v2/repository/models/<name>/unload``, or ``python -m serve`` on SIGTERM,
-which unloads every model before it stops tritonserver), Triton turns the model not ready at once and routes
-no new request to it, but lets the requests in flight go on and calls the model's ``finalize`` only once all
-of them have finished, with no time limit. The model gets no signal of its own: the stub ignores SIGTERM and
-SIGINT, and ``finalize`` comes too late for a timer. What it can see is its own readiness:
+When a model is unloaded (``POST /v2/repository/models/<name>/unload`` with the admin key, ``serve.control``,
+or ``python -m serve`` on SIGTERM, which unloads every model before it stops tritonserver), Triton turns the
+model not ready at once and routes no new request to it, but lets the requests in flight go on and calls the
+model's ``finalize`` only once all of them have finished, with no time limit. The model gets no signal of its
+own: the stub ignores SIGTERM and SIGINT, and ``finalize`` comes too late for a timer. What it can see is its
+own readiness:
 ``pb_utils.is_model_ready(name, version)`` turns false within a poll of the unload, and raises ("Server not
 ready") once a SIGTERMed tritonserver has begun unloading its models. :class:`DrainMonitor` polls it; from
 the first time it reads not ready the model is draining: requests that reach the model from then on are

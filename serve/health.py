@@ -8,7 +8,9 @@ does turn readiness false is unloading the model, which a model may ask for itse
 dead (:meth:`backend.LLMEngine.check_health` raises), :class:`HealthMonitor` unloads the model: its
 readiness (``/v2/models/<name>/ready``) and the server's (``/v2/health/ready``) go false, and new requests
 are refused by Triton itself. In the default model-control mode that call is refused; the model then stays
-READY, and its requests are refused fast with UNAVAILABLE (``engine is dead``) by the engine.
+READY, and its requests are refused fast with UNAVAILABLE (``engine is dead``) by the engine. The call goes
+from the stub to tritonserver in-process (the backend's message queue), not through HTTP or gRPC, so the
+launcher's restriction of the repository API to its admin key (``serve.control``) does not stop it.
 """
 
 from __future__ import annotations

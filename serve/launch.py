@@ -5,9 +5,16 @@ the ``nvidia-pytriton`` wheel is used: its binary, its Python backend with the s
 version copied beside ``libtriton_python.so``, and its shared libraries on ``LD_LIBRARY_PATH``.
 
 The server runs in explicit model-control mode with every model loaded at start (``--model-control-mode=explicit
---load-model=*``): the same models as the default mode, plus the load/unload API, through which a model whose
-engine has died unloads itself so that its readiness turns false (``serve.health``). Pass another
-``--model-control-mode`` to override.
+--load-model=*``): the same models as the default mode, plus the load/unload API, which this launcher needs:
+it drains by unloading every model, it reloads a model whose stub was killed, and a model whose engine has
+died unloads itself so that its readiness turns false (``serve.health``). Pass another
+``--model-control-mode`` to override (and lose those three).
+
+The control plane is closed (``serve.control``): tritonserver's HTTP, gRPC and metrics services bind
+127.0.0.1 unless ``--triton-host`` (``TRITON_HOST``) says otherwise, and its model-repository, shared-memory,
+logging and trace APIs answer only requests carrying the admin key (``TRITON_ADMIN_KEY``,
+``TRITON_ADMIN_KEY_FILE``, or a random key per start), which the drain and the stub reload send. The key
+is on tritonserver's command line, Triton's only way to take it (docs/security.md).
 
 ``python -m serve`` supervises tritonserver (and the OpenAI frontend) instead of replacing itself with it: on
 SIGTERM or SIGINT it first drains, unloading every model through the repository API and waiting until they
@@ -35,6 +42,8 @@ from pathlib import Path
 
 import requests
 
+from serve import control
+from serve.control import admin_headers, restriction_args
 from serve.stub_watch import StubWatch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +51,7 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 STAGING = REPO_ROOT / "build" / "triton"
 DRAIN_TIMEOUT_S = 45.0  # the models' default grace period (30 s) plus time to abort, unload and exit
 WATCH_INTERVAL_S = 1.0  # how often the launcher looks for killed backend stubs
+DEFAULT_TRITON_HOST = "127.0.0.1"  # tritonserver's own APIs stay on this host; the OpenAI frontend is the way in
 EXIT_TIMEOUT_S = 5  # tritonserver's --exit-timeout-secs under this launcher, which has drained already
 
 
@@ -52,8 +62,15 @@ class ServerCommand:
 
 
 def build_command(model_repository: Path = DEFAULT_MODEL_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
-                  metrics_port: int = 8002, log_verbose: int = 0, extra_args: list[str] | None = None) -> ServerCommand:
+                  metrics_port: int = 8002, log_verbose: int = 0, extra_args: list[str] | None = None,
+                  host: str = DEFAULT_TRITON_HOST, admin_key: str | None = None) -> ServerCommand:
     """The argv and environment that start tritonserver with the Python backend able to import this project.
+
+    Args:
+        host: the address tritonserver's HTTP, gRPC and metrics services bind (``--http-address``,
+            ``--grpc-address``, ``--metrics-address``); loopback by default.
+        admin_key: when given, the APIs of :data:`serve.control.RESTRICTED_APIS` answer only requests that
+            carry it in the header ``triton-admin-key`` (:func:`serve.control.restriction_args`).
 
     Raises:
         FileNotFoundError: no tritonserver on PATH and no nvidia-pytriton wheel installed.
@@ -66,8 +83,10 @@ def build_command(model_repository: Path = DEFAULT_MODEL_REPOSITORY, http_port: 
     extra_args = list(extra_args or [])
     if not any(arg.startswith("--model-control-mode") for arg in extra_args):
         extra_args = ["--model-control-mode=explicit", "--load-model=*", *extra_args]
-    argv = [f"--model-repository={model_repository}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
-            f"--metrics-port={metrics_port}", "--allow-metrics=true", f"--log-verbose={log_verbose}", *extra_args]
+    argv = [f"--model-repository={model_repository}", f"--http-address={host}", f"--http-port={http_port}",
+            f"--grpc-address={host}", f"--grpc-port={grpc_port}", f"--metrics-address={host}",
+            f"--metrics-port={metrics_port}", "--allow-metrics=true", f"--log-verbose={log_verbose}",
+            *(restriction_args(admin_key) if admin_key else []), *extra_args]
 
     on_path = shutil.which("tritonserver")
     if on_path:
@@ -107,9 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--triton-host", default=os.environ.get("TRITON_HOST", DEFAULT_TRITON_HOST),
+                        help="address of tritonserver's HTTP, gRPC and metrics services (default 127.0.0.1: "
+                             "reachable from this host only; 0.0.0.0 exposes them)")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
-                        help="port of the OpenAI frontend started beside tritonserver (0: none)")
+                        help="port of the OpenAI frontend started beside tritonserver (0: none); its API key comes "
+                             "from LLM_API_KEY or LLM_API_KEY_FILE in this environment")
     parser.add_argument("--drain-timeout-secs", type=float, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
                              "(their own grace period is the model setting drain_grace_s) before stopping "
@@ -119,23 +142,47 @@ def main(argv: list[str] | None = None) -> None:
         # This process drains before it stops tritonserver, whose exit timeout then only bounds the wait for
         # idle HTTP keep-alive connections (Triton 2.51 waits for every open HTTP connection first).
         extra = [*extra, f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+    if any(arg.startswith(("--http-restricted-api", "--grpc-restricted-protocol")) for arg in extra):
+        parser.error("the launcher restricts Triton's APIs itself (serve.control); set TRITON_ADMIN_KEY or "
+                     "TRITON_ADMIN_KEY_FILE to choose the key")
+    try:
+        key = control.admin_key()
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     command = build_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
-                            args.log_verbose, extra)
-    print("+", " ".join(command.argv), flush=True)
-    argvs = [command.argv]
+                            args.log_verbose, extra, host=args.triton_host, admin_key=key)
+    print("+", " ".join(command.argv).replace(key, "<TRITON_ADMIN_KEY>"), flush=True)
+    # Each child gets only the secret it uses: tritonserver (and the model code it runs) not the API key, the
+    # frontend (which needs only inference, health and metadata) not the admin key.
+    server_env = _without(command.env, "LLM_API_KEY", "LLM_API_KEY_FILE", control.KEY_ENV, control.KEY_FILE_ENV)
+    argvs, envs = [command.argv], [server_env]
     if args.openai_port > 0:
         argvs.append([sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
-                      "--triton-url", f"localhost:{args.grpc_port}", "--model-repository",
+                      "--triton-url", f"{_connect_host(args.triton_host)}:{args.grpc_port}", "--model-repository",
                       str(args.model_repository)])
+        envs.append(_without(command.env, control.KEY_ENV, control.KEY_FILE_ENV))
         print("+", " ".join(argvs[-1]), flush=True)
-    url = f"http://127.0.0.1:{args.http_port}"
-    sys.exit(run_together(argvs, command.env,
-                          drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short),
-                          watch=lambda children: StubWatch(url, children[0].pid).check))
+    url = f"http://{_connect_host(args.triton_host)}:{args.http_port}"
+    headers = admin_headers(key)
+    sys.exit(run_together(argvs, envs,
+                          drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short, headers),
+                          watch=lambda children: StubWatch(url, children[0].pid, headers).check))
 
 
-def drain_models(http_url: str, timeout: float, cut_short=lambda: False) -> bool:
+def _connect_host(host: str) -> str:
+    """The host to reach a service bound to ``host`` from this machine (loopback for a wildcard address)."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _without(env: dict[str, str], *names: str) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in names}
+
+
+def drain_models(http_url: str, timeout: float, cut_short=lambda: False, headers: dict[str, str] | None = None) -> bool:
     """Unloads every loaded model through Triton's repository API and waits until all are unloaded.
+    ``headers`` go with every call (the admin key: ``serve.control``).
 
     The unload turns each model not ready at once (Triton refuses new requests for it) and lets its requests in
     flight finish; the model itself bounds that by its grace period (``serve.drain``). Returns True once no
@@ -145,13 +192,15 @@ def drain_models(http_url: str, timeout: float, cut_short=lambda: False) -> bool
     deadline = time.monotonic() + timeout
 
     def live() -> set[str]:
-        index = requests.post(f"{http_url}/v2/repository/index", json={}, timeout=5).json()
+        index = requests.post(f"{http_url}/v2/repository/index", json={}, headers=headers, timeout=5)
+        index.raise_for_status()
+        index = index.json()
         return {m["name"] for m in index if m.get("state") in ("READY", "LOADING", "UNLOADING")}
 
     try:
         names = live()
         for name in sorted(names):
-            response = requests.post(f"{http_url}/v2/repository/models/{name}/unload", timeout=5)
+            response = requests.post(f"{http_url}/v2/repository/models/{name}/unload", headers=headers, timeout=5)
             if response.status_code != 200:
                 print(f"could not unload model {name!r}: {response.text}", file=sys.stderr, flush=True)
                 return False
@@ -164,19 +213,26 @@ def drain_models(http_url: str, timeout: float, cut_short=lambda: False) -> bool
     return not names
 
 
-def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None, watch=None) -> int:
-    """Runs the commands as children until the first one ends (or SIGINT/SIGTERM), then stops the others
-    (SIGTERM, SIGKILL after 30 s). Returns the exit status of the first to end; when stopped by a signal,
-    0 if every child then exited 0, else the first other status.
+def run_together(argvs: list[list[str]], env: dict[str, str] | list[dict[str, str]] | None, drain=None,
+                 watch=None) -> int:
+    """Runs the commands as children (``env``: one environment for all, or one per command) until the first
+    one ends (or SIGINT/SIGTERM), then stops the others (SIGTERM, SIGKILL after 30 s). Returns the exit
+    status of the first to end; when stopped by a signal, 0 if every child then stopped cleanly (exit status
+    0, or killed by the SIGTERM this process sent it: uvicorn re-raises SIGTERM once it has shut down), else
+    the first other status (a negative status -N, killed by signal N, becomes 128 + N, as a shell reports it).
 
     ``watch(children)`` returns a check run about once a second while they run (``serve.stub_watch``).
     On SIGINT/SIGTERM, ``drain(cut_short)`` runs first (a second signal makes ``cut_short()`` true). The
     children run in a session of their own, so a Ctrl-C in a terminal reaches only this process, and each
     gets SIGTERM should this process die without stopping them (``PR_SET_PDEATHSIG``).
     """
-    children = [subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_terminate_with_parent)
-                for argv in argvs]
+    envs = env if isinstance(env, list) else [env] * len(argvs)
+    if len(envs) != len(argvs):
+        raise ValueError(f"{len(argvs)} commands but {len(envs)} environments")
+    children = [subprocess.Popen(argv, env=child_env, start_new_session=True, preexec_fn=_terminate_with_parent)
+                for argv, child_env in zip(argvs, envs)]
     stopped: list[int] = []
+    terminated: set[int] = set()
 
     def stop(signum, frame) -> None:
         stopped.append(signum)
@@ -204,6 +260,7 @@ def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None,
     for child in children:
         if child.poll() is None:
             child.terminate()
+            terminated.add(child.pid)
     for child in children:
         try:
             child.wait(30)
@@ -211,8 +268,10 @@ def run_together(argvs: list[list[str]], env: dict[str, str] | None, drain=None,
             child.kill()
             child.wait()
     if status is None:  # stopped by a signal: 0 when every child stopped cleanly
-        status = next((child.returncode for child in children if child.returncode != 0), 0)
-    return status
+        status = next((child.returncode for child in children if child.returncode != 0
+                       and not (child.pid in terminated and child.returncode == -signal.SIGTERM)), 0)
+    # sys.exit(-15) would exit 241 (the status modulo 256): report death by signal N as a shell does.
+    return 128 - status if status < 0 else status
 
 
 def _terminate_with_parent() -> None:

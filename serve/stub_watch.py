@@ -45,8 +45,9 @@ def stub_versions(server_pid: int) -> set[tuple[str, str]]:
 class StubWatch:
     """``check()`` (from the launcher's loop, about once a second) reloads models that lost a stub."""
 
-    def __init__(self, http_url: str, server_pid: int) -> None:
+    def __init__(self, http_url: str, server_pid: int, headers: dict[str, str] | None = None) -> None:
         self.http_url = http_url
+        self.headers = headers or {}  # the admin key (serve.control): the repository API is restricted
         self.server_pid = server_pid
         self._suspects: set[tuple[str, str]] = set()
         self._reloading: set[str] = set()
@@ -54,9 +55,11 @@ class StubWatch:
 
     def check(self) -> None:
         try:
-            index = requests.post(f"{self.http_url}/v2/repository/index", json={}, timeout=2).json()
+            response = requests.post(f"{self.http_url}/v2/repository/index", json={}, headers=self.headers, timeout=2)
+            response.raise_for_status()
+            index = response.json()
         except (requests.RequestException, ValueError):
-            return  # not up yet, or stopping
+            return  # not up yet, or stopping (a refused admin key is the launcher's own bug: drain reports it)
         ready = {(m["name"], m["version"]) for m in index if m.get("state") == "READY" and "version" in m}
         broken = ready - stub_versions(self.server_pid)
         for model, version in broken & self._suspects:
@@ -69,8 +72,9 @@ class StubWatch:
 
     def _reload(self, model: str) -> None:
         try:
-            requests.post(f"{self.http_url}/v2/repository/models/{model}/unload", timeout=10)
-            response = requests.post(f"{self.http_url}/v2/repository/models/{model}/load", timeout=600)
+            requests.post(f"{self.http_url}/v2/repository/models/{model}/unload", headers=self.headers, timeout=10)
+            response = requests.post(f"{self.http_url}/v2/repository/models/{model}/load", headers=self.headers,
+                                     timeout=600)
             print(f"reloaded model {model!r}: HTTP {response.status_code} {response.text}", file=sys.stderr,
                   flush=True)
             self.reloads.append(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -116,16 +117,26 @@ def start_server(log_path: Path, extra_args: list[str] | None = None, model_repo
                                     f"http://127.0.0.1:{metrics}/metrics", process, log_path))
 
 
-def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[str] | None = None) -> TritonServer:
-    """Starts ``python -m serve`` (no OpenAI frontend) on ``model_repository``; ``process`` is the launcher,
-    which supervises tritonserver. Returns once the server reports ready."""
+def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[str] | None = None,
+                   env: dict[str, str] | None = None, openai_port: int = 0) -> TritonServer:
+    """Starts ``python -m serve`` on ``model_repository`` (the OpenAI frontend on ``openai_port``, 0: none), with
+    ``env`` added to the environment; ``process`` is the launcher, which supervises tritonserver. Returns once
+    the server (and the frontend, if any) reports ready."""
     http, grpc, metrics = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "serve", f"--model-repository={model_repository}", f"--http-port={http}",
-            f"--grpc-port={grpc}", f"--metrics-port={metrics}", "--openai-port=0", "--metrics-interval-ms=200",
-            *(launcher_args or [])]
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    return _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
-                                    f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+            f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--openai-port={openai_port}",
+            "--metrics-interval-ms=200", *(launcher_args or [])]
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
+    server = _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                                      f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while openai_port and not _answers(f"http://127.0.0.1:{openai_port}/health"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_server(server)
+            raise RuntimeError(f"the OpenAI frontend did not become ready:\n{server.log()[-5000:]}")
+        time.sleep(0.5)
+    return server
 
 
 def _wait_ready(server: TritonServer) -> TritonServer:

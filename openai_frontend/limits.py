@@ -1,0 +1,168 @@
+"""Bounds on what one request may cost the frontend and the engine, checked before the work starts.
+
+* The request body: at most ``max_request_body_bytes`` (default 8 MiB). A ``Content-Length`` over it is
+  answered 413 before a byte of the body is read; a chunked body is counted as it arrives and answered
+  413 once it passes the bound, so no body over it is ever held in memory or parsed
+  (:class:`BodyLimitMiddleware`, pure ASGI; the idea is nginx's ``client_max_body_size``).
+* The completions one request asks for: its prompts times ``n`` at most ``max_prompts_per_request``
+  (default 256), answered 400, so that one request cannot fill the engine's waiting queue (1,024
+  completions by default) on its own (:func:`check_completion_count`).
+* The render endpoints' tokenizing: off the event loop, each prompt first held to the size bound that
+  generation uses (``backend.prompt_limits``: the longest prompt, in UTF-8 bytes, that could still fit
+  ``max_model_len``), so that a long prompt neither stalls other requests nor costs more than generation
+  would accept (:func:`render_token_ids`).
+
+Errors are in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from backend.prompt_limits import check_prompt_bytes, max_token_bytes
+from openai_frontend.auth import send_error
+from openai_frontend.errors import OpenAIError
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+DEFAULT_MAX_MODEL_LEN = 8192  # the engine's cap when the model sets none (backend.llm_engine)
+
+
+@dataclass
+class Limits:
+    """Args: max_request_body_bytes: largest request body, bytes. max_prompts_per_request: most
+    completions (prompts times ``n``) one request may ask for."""
+
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1 or self.max_prompts_per_request < 1:
+            raise ValueError(f"limits must be >= 1, got {self}")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: 413 for a request body over ``limit`` bytes.
+
+    A body with ``Content-Length`` is checked from the header and then passed on as it streams (the server
+    enforces the declared length). A body without one (chunked) is read here up to the limit, then
+    handed to the app from memory; the app reads the whole body anyway to parse it.
+    """
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if length is not None:
+            if not length.isdigit():
+                return await send_error(send, OpenAIError(400, "Content-Length is not a number", "invalid_request"))
+            if int(length) > self.limit:
+                return await self._refuse(send, int(length))
+            return await self.app(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected before the body was complete
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(send, size, at_least=True)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the server's own messages (http.disconnect)
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: int, at_least: bool = False) -> None:
+        await send_error(send, OpenAIError(
+            413, f"request body is {'over ' if at_least else ''}{size} bytes; at most {self.limit} are accepted "
+                 f"(--max-request-body-bytes)", "request_too_large"))
+
+
+def install_limits(app, limits: Limits) -> None:
+    """Puts ``app`` behind :class:`BodyLimitMiddleware` and keeps ``limits`` in ``app.state.limits``."""
+    app.state.limits = limits
+    app.add_middleware(BodyLimitMiddleware, limit=limits.max_request_body_bytes)
+
+
+def check_completion_count(num_prompts: int, n: int | None, limits: Limits) -> None:
+    """Raises:
+        OpenAIError: 400, ``num_prompts * n`` over ``limits.max_prompts_per_request``."""
+    count = num_prompts * (n or 1)
+    if count > limits.max_prompts_per_request:
+        raise OpenAIError(400, f"the request asks for {count} completions ({num_prompts} prompt(s) times n="
+                               f"{n or 1}); at most {limits.max_prompts_per_request} per request "
+                               f"(--max-prompts-per-request)", "invalid_value", "prompt")
+
+
+async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_len: int) -> list[list[int]]:
+    """The token ids of each prompt (token-id prompts as they are), computed on a worker thread; each text
+    prompt is first held to the bytes that could fit ``max_model_len`` tokens (``backend.prompt_limits``), as
+    the engine does before tokenizing.
+
+    Raises:
+        OpenAIError: 400, a prompt over that bound.
+    """
+    def encode() -> list[list[int]]:
+        limit = (max_model_len - 1) * _max_token_bytes(tokenizer)
+        for prompt in prompts:
+            try:
+                if isinstance(prompt, str):
+                    check_prompt_bytes(prompt, limit, max_model_len)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), "invalid_value", "prompt") from None
+        return [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts]
+
+    return await asyncio.to_thread(encode)
+
+
+@lru_cache(maxsize=8)
+def _max_token_bytes(tokenizer) -> int:
+    return max_token_bytes(tokenizer)
+
+
+def max_model_len(repository: Path, name: str, version: str) -> int:
+    """The ``max_model_len`` a model version runs with, as its engine reads it: ``<version>/engine.json``
+    over config.pbtxt's parameter (version "" = the newest version directory); 8192, the engine's cap, when
+    neither sets it (a model whose own context is shorter is then bounded more loosely here than by its
+    engine, never more tightly)."""
+    directory = repository / name
+    value = None
+    config = directory / "config.pbtxt"
+    if config.exists():
+        match = re.search(r'key:\s*"max_model_len"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config.read_text())
+        value = match[1] if match else None
+    versions = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
+        if directory.is_dir() else []
+    version = version or (str(versions[0]) if versions else "")
+    engine = directory / version / "engine.json"
+    if version and engine.exists():
+        value = json.loads(engine.read_text()).get("max_model_len", value)
+    try:
+        return int(value) if value not in (None, "") else DEFAULT_MAX_MODEL_LEN
+    except (TypeError, ValueError):
+        return DEFAULT_MAX_MODEL_LEN

@@ -1,0 +1,174 @@
+"""The frontend's API key and request bounds, and the admin key's sources, without a tritonserver.
+
+The frontend is served by uvicorn in-process on a free port and pointed at a Triton address where nothing
+listens: every check here answers before Triton would be asked. With a server: tests/test_triton_security.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import uvicorn
+
+from openai_frontend.app import FrontendConfig, create_app
+from openai_frontend.auth import load_api_key
+from openai_frontend.limits import Limits
+from serve import control
+from serve.launch import REPO_ROOT
+from triton_server import free_port
+
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def frontend():
+    port = free_port()
+    config = FrontendConfig(triton_url=f"127.0.0.1:{free_port()}", api_key=KEY,
+                            limits=Limits(max_request_body_bytes=LIMIT, max_prompts_per_request=16))
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the frontend did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_api_key_missing_or_wrong_is_401_in_openai_shape(frontend):
+    missing = requests.get(f"{frontend}/v1/models", timeout=10)
+    wrong = requests.get(f"{frontend}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    raw = requests.get(f"{frontend}/v1/models", headers={"Authorization": KEY}, timeout=10)  # no "Bearer "
+    for response in (missing, wrong, raw):
+        assert response.status_code == 401
+        assert response.headers["www-authenticate"] == "Bearer"
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_api_key"
+    assert "didn't provide an API key" in missing.json()["error"]["message"]
+    assert wrong.json()["error"]["message"] == "Incorrect API key provided."
+
+
+def test_right_key_passes_and_health_and_metrics_paths_stay_open(frontend):
+    # Past the key, /v1/models asks Triton, which is not there: 503 from the route, not 401.
+    assert requests.get(f"{frontend}/v1/models", headers=AUTH, timeout=30).status_code == 503
+    assert requests.get(f"{frontend}/health", timeout=30).status_code == 503  # open: Triton is down
+    assert requests.get(f"{frontend}/metrics", timeout=10).status_code != 401
+
+
+def test_docs_and_schema_need_the_key(frontend):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert requests.get(f"{frontend}{path}", timeout=10).status_code == 401, path
+    assert requests.get(f"{frontend}/openapi.json", headers=AUTH, timeout=10).json()["openapi"]
+
+
+def test_unauthenticated_large_body_is_refused_without_reading_it(frontend):
+    start = time.monotonic()
+    response = requests.post(f"{frontend}/v1/chat/completions", data=b"x" * (50 << 20), timeout=30)
+    assert response.status_code == 401 and time.monotonic() - start < 5
+
+
+def test_body_over_the_limit_is_413_from_content_length(frontend):
+    start = time.monotonic()
+    response = requests.post(f"{frontend}/v1/chat/completions", data=b"x" * (50 << 20), timeout=30,
+                             headers={**AUTH, "Content-Type": "application/json"})
+    elapsed = time.monotonic() - start
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and f"{50 << 20} bytes; at most {LIMIT}" in error["message"]
+    assert elapsed < 5
+
+
+def test_chunked_body_over_the_limit_is_413_once_it_passes_the_limit(frontend):
+    def chunks():
+        for _ in range(64):  # 64 MiB offered in 1 MiB chunks, without Content-Length
+            yield b"x" * (1 << 20)
+
+    response = requests.post(f"{frontend}/v1/chat/completions", data=chunks(), timeout=30,
+                             headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 413, response.text
+    message = response.json()["error"]["message"]
+    assert "request body is over" in message
+    assert int(message.split()[4]) < LIMIT + (1 << 20)  # counted up to the chunk that passed the limit, no further
+
+
+def test_chunked_body_under_the_limit_reaches_the_route(frontend):
+    body = json.dumps({"model": "llm", "prompt": ["a"] * 17}).encode()
+    response = requests.post(f"{frontend}/v1/completions", data=iter([body[:10], body[10:]]), timeout=30,
+                             headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 400 and "17 completions" in response.json()["error"]["message"]
+
+
+def test_too_many_completions_per_request_is_400(frontend):
+    def post(path, **body):
+        return requests.post(f"{frontend}{path}", json={"model": "llm", **body}, headers=AUTH, timeout=30)
+
+    prompts = post("/v1/completions", prompt=["Hello"] * 2000)
+    assert prompts.status_code == 400
+    error = prompts.json()["error"]
+    assert error["param"] == "prompt" and "2000 completions (2000 prompt(s) times n=1); at most 16" in \
+        error["message"]
+    assert post("/v1/completions", prompt=["Hello"] * 4, n=5).status_code == 400  # 20 > 16
+    assert post("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], n=17).status_code == 400
+    assert post("/v1/completions/render", prompt=["Hello"] * 17).status_code == 400
+    assert post("/v1/completions", prompt=["Hello"] * 4, n=4).status_code == 503  # 16: on to Triton (down)
+
+
+def test_api_key_sources(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert load_api_key(env={}) is None
+    assert load_api_key("flag", env={"LLM_API_KEY": "env"}) == "flag"
+    assert load_api_key(None, key_file, env={"LLM_API_KEY": "env"}) == "from-file"
+    assert load_api_key(env={"LLM_API_KEY": "env"}) == "env"
+    assert load_api_key(env={"LLM_API_KEY_FILE": str(key_file)}) == "from-file"
+    with pytest.raises(ValueError, match="both set"):
+        load_api_key("flag", key_file, env={})
+    with pytest.raises(ValueError, match="both set"):
+        load_api_key(env={"LLM_API_KEY": "a", "LLM_API_KEY_FILE": str(key_file)})
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        load_api_key(None, tmp_path / "empty", env={})
+    with pytest.raises(ValueError, match="whitespace"):
+        load_api_key("two words", env={})
+
+
+def test_admin_key_sources_and_the_flags_that_carry_it(tmp_path):
+    key_file = tmp_path / "admin"
+    key_file.write_text("admin-from-file\n")
+    assert control.admin_key({"TRITON_ADMIN_KEY": "admin-env"}) == "admin-env"
+    assert control.admin_key({"TRITON_ADMIN_KEY_FILE": str(key_file)}) == "admin-from-file"
+    first, second = control.admin_key({}), control.admin_key({})
+    assert first != second and len(first) == 43  # 32 random bytes per start
+    for bad in ("a:b", "a=b", "a,b", "a b"):
+        with pytest.raises(ValueError, match="must be non-empty"):
+            control.admin_key({"TRITON_ADMIN_KEY": bad})
+    assert control.restriction_args("k") == [
+        "--http-restricted-api=model-repository,shared-memory,logging,trace:triton-admin-key=k",
+        "--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:triton-admin-key=k"]
+    assert control.admin_headers("k", grpc=True) == {"triton-grpc-protocol-triton-admin-key": "k"}
+
+
+@pytest.mark.parametrize("child, status", [
+    # uvicorn's way: on SIGTERM, shut down, then re-raise the signal (killed by SIGTERM, status -15).
+    ("import signal, time; signal.signal(signal.SIGTERM, lambda *a: (signal.signal(signal.SIGTERM, "
+     "signal.SIG_DFL), signal.raise_signal(signal.SIGTERM))); time.sleep(60)", 0),
+    ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); time.sleep(60)", 3),
+])
+def test_sigterm_to_the_launcher_loop_exits_0_when_children_stop_cleanly(child, status):
+    script = ("import sys; from serve.launch import run_together; "
+              f"sys.exit(run_together([[sys.executable, '-c', {child!r}]], None))")
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
+    time.sleep(2)  # the child is up
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == status
