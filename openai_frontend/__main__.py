@@ -23,10 +23,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="one tokenizer (HF directory or .gguf) for every model instead")
     parser.add_argument("--chat-template", type=Path, default=None,
                         help="a Jinja chat template file used instead of the tokenizer's")
+    parser.add_argument("--triton-metrics-url",
+                        default=os.environ.get("TRITON_METRICS_URL", "http://localhost:8002/metrics"),
+                        help="Triton's metrics page, whose vllm: gauges /metrics repeats ('' for none)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
-                            args.chat_template.read_text() if args.chat_template else None)
+                            args.chat_template.read_text() if args.chat_template else None,
+                            args.triton_metrics_url or None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
 
 

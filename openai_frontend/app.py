@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from openai_frontend import metrics
 from openai_frontend.errors import OpenAIError
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.tool_calls import ToolCallParser, ToolChoice, messages_for_plain_template
@@ -42,6 +43,7 @@ class FrontendConfig:
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     tokenizer: str | None = None
     chat_template: str | None = None
+    triton_metrics_url: str | None = "http://localhost:8002/metrics"  # re-exposed on /metrics (metrics.py)
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
@@ -54,6 +56,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     app = FastAPI(title="Triton LLM, OpenAI API", lifespan=lifespan)
     app.state.triton = triton
+    metrics.install(app, triton, config.triton_metrics_url)  # GET /metrics, vLLM names
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
