@@ -300,23 +300,28 @@ def test_network_policies_admit_only_the_gateway_the_picker_and_prometheus():
     docs = render("overlays/gateway")
     pod_labels = one(docs, "Deployment", "triton-llm")["spec"]["template"]["metadata"]["labels"]
     epp_labels = one(docs, "Deployment", "triton-llm-epp")["spec"]["template"]["metadata"]["labels"]
-    admitted = {}  # who -> ports
+    gateway = (("gateway.networking.k8s.io/gateway-name", "inference-gateway"),)
+    prometheus = (("app.kubernetes.io/name", "prometheus"),)
+    admitted = {"triton-llm": {}, "triton-llm-epp": {}}  # pods -> who -> ports
     for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
         spec = policy["spec"]
-        assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items() and spec["policyTypes"] == ["Ingress"]
+        target = spec["podSelector"]["matchLabels"]["app"]
+        labels = pod_labels if target == "triton-llm" else epp_labels
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items() and spec["policyTypes"] == ["Ingress"]
         for rule in spec["ingress"]:
             assert rule["from"], "a rule without sources admits everyone"
             for source in rule["from"]:
                 assert "ipBlock" not in source and source["podSelector"]["matchLabels"]
                 who = tuple(sorted(source["podSelector"]["matchLabels"].items()))
-                admitted.setdefault(who, set()).update(p["port"] for p in rule["ports"])
-    assert admitted == {
-        (("gateway.networking.k8s.io/gateway-name", "inference-gateway"),): {9000},
-        (("app.kubernetes.io/name", "prometheus"),): {9000, 8002},
-        tuple(sorted(epp_labels.items())): {9000, 5557, 5558},
-    }
+                admitted[target].setdefault(who, set()).update(p["port"] for p in rule["ports"])
+    assert admitted["triton-llm"] == {gateway: {9000}, prometheus: {9000, 8002},
+                                      tuple(sorted(epp_labels.items())): {9000, 5557, 5558}}
+    assert admitted["triton-llm-epp"] == {gateway: {9002}, prometheus: {9090}}
     route = one(docs, "HTTPRoute")["spec"]
     assert route["parentRefs"][0]["name"] == "inference-gateway"
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+    assert namespaces == {"triton-llm"}  # one namespace, created with the restricted Pod Security Standard
+    assert one(docs, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
 # -- two replicas, as the pods run them -----------------------------------------------------------------------
