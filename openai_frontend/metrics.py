@@ -15,8 +15,8 @@ histograms and request counters. Two sources make up the page:
 - **Latency histograms and request counters measured here**, at the frontend, per completion of a request
   (vLLM's names, buckets and ``model_name`` label; vLLM ``vllm/v1/metrics/loggers.py`` and ``buckets.py`` of
   0.32.0): ``vllm:time_to_first_token_seconds`` (request start to its first token), ``vllm:inter_token_latency_seconds``
-  (between consecutive responses carrying tokens, once per token: a response of k tokens after a gap of t
-  seconds observes t / k k times), ``vllm:e2e_request_latency_seconds`` (request start to its last token),
+  (between consecutive responses carrying tokens, once per token: a later response of k tokens after a gap of t
+  seconds observes t / k k times; tokens that arrive with the first one have no gap to measure), ``vllm:e2e_request_latency_seconds`` (request start to its last token),
   ``vllm:request_success_total`` by ``finished_reason``, ``vllm:prompt_tokens_total`` and
   ``vllm:generation_tokens_total``. They include the frontend's own time (gRPC, detokenized text), which is
   what a client of this port sees.

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.openai_port > 0:
         argvs.append([sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
                       "--triton-url", f"localhost:{args.grpc_port}", "--model-repository",
-                      str(args.model_repository)])
+                      str(args.model_repository), "--triton-metrics-url",
+                      f"http://localhost:{args.metrics_port}/metrics"])
         print("+", " ".join(argvs[-1]), flush=True)
     url = f"http://127.0.0.1:{args.http_port}"
     sys.exit(run_together(argvs, command.env,
