@@ -10,11 +10,13 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-BlockKey = tuple[bytes | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+# (parent block's hash or None for a prompt's first block, this block's token ids, the request's cache salt
+# on a first block, else None)
+BlockKey = tuple[bytes | None, tuple[int, ...], str | None]
 
 # KV cache events, recorded as plain tuples when enabled (``BlockPool.events``) and turned into vLLM's wire
 # format off the engine thread (backend/kv_events.py):
-BLOCK_STORED = 0  # (BLOCK_STORED, block hash, parent block hash or None, token ids): content became findable
+BLOCK_STORED = 0  # (BLOCK_STORED, block hash, parent block hash or None, token ids, cache salt or None): findable
 BLOCK_REMOVED = 1  # (BLOCK_REMOVED, block hash): content no longer findable (evicted or uncached)
 ALL_BLOCKS_CLEARED = 2  # (ALL_BLOCKS_CLEARED,): nothing findable any more
 
@@ -113,7 +115,7 @@ class BlockPool:
 
     # -- prefix caching -----------------------------------------------------------------------------
     def lookup(self, block_hash: bytes, key: BlockKey) -> int | None:
-        """The block holding exactly ``key`` (parent hash, token ids), or None."""
+        """The block holding exactly ``key`` (parent hash, token ids, salt), or None."""
         block_id = self._cached.get(block_hash)
         if block_id is None or self._keys[block_id][1] != key:
             return None
@@ -131,7 +133,7 @@ class BlockPool:
             return
         self._cached[block_hash] = block_id
         if self.events is not None:
-            self.events.append((BLOCK_STORED, block_hash, key[0], key[1]))
+            self.events.append((BLOCK_STORED, block_hash, key[0], key[1], key[2]))
 
     def uncache(self, block_ids: Sequence[int]) -> None:
         """Forgets the content of these blocks (their K/V cannot be trusted, e.g. a forward pass failed

@@ -115,13 +115,17 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = max(done, full)
 
     def _block_hash(self, request: Request, index: int) -> tuple[bytes, BlockKey]:
-        """Hash and key of the request's ``index``-th full block (the salt, if any, is the first block's parent)."""
+        """Hash and key of the request's ``index``-th full block. The salt, if any, seeds the first block's
+        hash in place of a parent and is part of its key (vLLM puts ``cache_salt`` in the first block's extra
+        keys, ``generate_block_hash_extra_keys``); later blocks carry it through their parent's hash."""
         hashes = self._block_hashes.setdefault(request.request_id, [])
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[-1][0] if hashes else (request.cache_salt.encode() if request.cache_salt else None)
+            parent = hashes[-1][0] if hashes else None
+            salt = request.cache_salt if not hashes and request.cache_salt else None
             tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append((self.pool.hash_fn(parent, tokens), (parent, tokens)))
+            seed = parent if parent is not None else (salt.encode() if salt else None)
+            hashes.append((self.pool.hash_fn(seed, tokens), (parent, tokens, salt)))
         return hashes[index]
 
     # -- allocation -----------------------------------------------------------------------------------

@@ -2,24 +2,31 @@
 
 A router that knows which blocks each replica holds can send a request where its prompt's prefix is
 cached: llm-d's precise prefix-cache scorer (the Gateway API Inference Extension's endpoint picker) and
-NVIDIA Dynamo's KV router subscribe to vLLM's events for that. This module speaks that protocol
-(vLLM ``vllm/distributed/kv_events.py`` and ``docs/features/kv_events.md``, as of vLLM 0.11):
+NVIDIA Dynamo's KV router subscribe to vLLM's events for that. This module speaks that protocol as vLLM 0.32.0
+publishes it (``vllm/distributed/kv_events.py``, ``vllm/v1/core/block_pool.py`` and
+``vllm/v1/core/kv_cache_utils.py`` of the 0.32.0 release; ``tests/vllm_kv_schema.py`` mirrors those structs):
 
 - **Live stream** (PUB): one multipart message per engine step that changed the cache:
   ``[topic, sequence (8-byte big-endian, from 0), payload]``.
-- **Payload**: a msgpack ``KVEventBatch`` encoded as msgspec ``array_like`` structs:
-  ``[timestamp (float seconds since the epoch), [event, ...], data_parallel_rank (0)]``, each event a tagged
-  array: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
-  ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``.
+- **Payload**: a msgpack ``KVEventBatch``, an ``array_like`` struct:
+  ``[timestamp (float seconds since the epoch), [event, ...], data_parallel_rank (0)]``. The events are tagged
+  msgspec structs that are *not* ``array_like``: each is a msgpack map whose ``"type"`` key names it
+  (``"BlockStored"``, ``"BlockRemoved"``, ``"AllBlocksCleared"``), fields at their default value left out
+  (``omit_defaults``). ``BlockStored`` always carries ``block_hashes``, ``parent_block_hash``, ``token_ids``,
+  ``block_size``, ``lora_id``, ``medium`` and ``lora_name`` (nil where unset), and, as vLLM fills them for
+  an engine with one KV cache group, ``extra_keys`` and ``group_idx`` (0). ``BlockRemoved`` carries
+  ``block_hashes``, ``medium`` and ``group_idx``.
 - **Block hashes** are unsigned 64-bit integers: the last 8 bytes (big-endian) of this engine's SHA-256
   block hash, as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). ``parent_block_hash`` is
   the hash of the block before the first one stored (None at the start of a prompt); ``token_ids`` holds
   ``block_size`` tokens per stored block; ``medium`` is ``"GPU"`` (vLLM's name for the engine's own pool,
-  on a CPU too); ``lora_id`` is None.
+  on a CPU too); ``lora_id`` and ``lora_name`` are None (no LoRA adapters here).
+- **extra_keys**: one entry per stored block, untagged as vLLM publishes them (``to_event_extra_keys``):
+  ``[cache_salt]`` for the first block of a request with a ``cache_salt`` (the salt seeds that block's hash,
+  and so every later block's), None for every other block.
 - **Replay** (ROUTER, optional): a DEALER or REQ client sends ``[b"", start sequence (8 bytes)]`` and gets
   every buffered batch from that sequence on, each as ``[b"", topic, sequence, payload]``, then the end
-  marker ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM's current replay reply, which carries the topic;
-  llm-d's subscriber reads exactly this).
+  marker ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32's replay reply, which carries the topic).
 
 Recording costs the engine step one tuple append per registered or evicted block (``BlockPool.events``)
 and one queue put per step (:meth:`KVEventPublisher.publish`); converting, encoding and sending happen on
@@ -50,6 +57,9 @@ SEND_HWM = 100_000  # vLLM's hwm default
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
+GROUP_IDX = 0  # the KV cache group of every block: this engine has one (vLLM's kv_cache_group_id)
+
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One step's events. ``ts``: seconds since the epoch; ``data_parallel_rank``: always 0 here."""
 
@@ -58,12 +68,13 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """A tagged event: encoded as ``[tag, fields...]``."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A tagged event: encoded as a map with ``"type": <class name>`` (not array_like, as in vLLM 0.32)."""
 
 
 class BlockStored(KVCacheEvent):
-    """Consecutive blocks of one token sequence became findable; ``token_ids`` covers all of them."""
+    """Consecutive blocks of one token sequence became findable; ``token_ids`` covers all of them.
+    Field order and defaults are vLLM 0.32.0's."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -71,11 +82,22 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -91,20 +113,26 @@ def external_block_hash(block_hash: bytes) -> int:
 def to_vllm_events(raw: list[tuple], block_size: int) -> list[KVCacheEvent]:
     """Turns ``BlockPool`` event tuples into vLLM events, in order. A stored block whose parent is the
     previous stored block extends that event (as vLLM emits one event per run of blocks); consecutive
-    removals share one event."""
+    removals share one event. Each stored block gets its ``extra_keys`` entry.
+
+    Raises:
+        ValueError: an event tuple of an unknown kind."""
     events: list[KVCacheEvent] = []
     last_stored: bytes | None = None  # hash of the last block of events[-1] when it is a BlockStored
     for entry in raw:
         kind = entry[0]
         if kind == BLOCK_STORED:
-            _, block_hash, parent, tokens = entry
+            _, block_hash, parent, tokens, salt = entry
+            extra = (salt,) if salt else None  # vLLM's untagged cache_salt key, first block only
             if last_stored is not None and parent == last_stored:
                 events[-1].block_hashes.append(external_block_hash(block_hash))
                 events[-1].token_ids.extend(tokens)
+                events[-1].extra_keys.append(extra)
             else:
                 events.append(BlockStored([external_block_hash(block_hash)],
                                           None if parent is None else external_block_hash(parent),
-                                          list(tokens), block_size, None, MEDIUM))
+                                          list(tokens), block_size, None, MEDIUM, None, extra_keys=[extra],
+                                          group_idx=GROUP_IDX))
             last_stored = block_hash
             continue
         last_stored = None
@@ -112,7 +140,7 @@ def to_vllm_events(raw: list[tuple], block_size: int) -> list[KVCacheEvent]:
             if events and isinstance(events[-1], BlockRemoved):
                 events[-1].block_hashes.append(external_block_hash(entry[1]))
             else:
-                events.append(BlockRemoved([external_block_hash(entry[1])], MEDIUM))
+                events.append(BlockRemoved([external_block_hash(entry[1])], MEDIUM, group_idx=GROUP_IDX))
         elif kind == ALL_BLOCKS_CLEARED:
             events.append(AllBlocksCleared())
         else:

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                         help="most completions (prompts times n) one request may ask for; more get 400 "
                              "(default 256)")
+    parser.add_argument("--triton-metrics-url",
+                        default=os.environ.get("TRITON_METRICS_URL", "http://localhost:8002/metrics"),
+                        help="Triton's metrics page, whose vllm: gauges /metrics repeats ('' for none)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     try:
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
-                            args.chat_template.read_text() if args.chat_template else None, api_key, limits)
+                            args.chat_template.read_text() if args.chat_template else None, api_key, limits,
+                            args.triton_metrics_url or None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
 
 

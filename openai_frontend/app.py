@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from openai_frontend import metrics
 from openai_frontend.auth import protect
 from openai_frontend.errors import OpenAIError
 from openai_frontend.limits import Limits, check_completion_count, install_limits, max_model_len, render_token_ids
@@ -47,6 +48,7 @@ class FrontendConfig:
     chat_template: str | None = None
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
+    triton_metrics_url: str | None = "http://localhost:8002/metrics"  # re-exposed on /metrics (metrics.py)
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
@@ -59,6 +61,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     app = FastAPI(title="Triton LLM, OpenAI API", lifespan=lifespan)
     app.state.triton = triton
+    metrics.install(app, triton, config.triton_metrics_url)  # GET /metrics, vLLM names
     install_limits(app, config.limits)
     protect(app, config.api_key)  # added last: the outermost, so an unauthenticated body is never read
 

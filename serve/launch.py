@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.openai_port > 0:
         argvs.append([sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
                       "--triton-url", f"{_connect_host(args.triton_host)}:{args.grpc_port}", "--model-repository",
-                      str(args.model_repository)])
+                      str(args.model_repository), "--triton-metrics-url",
+                      f"http://{_connect_host(args.triton_host)}:{args.metrics_port}/metrics"])
         envs.append(_without(command.env, control.KEY_ENV, control.KEY_FILE_ENV))
         print("+", " ".join(argvs[-1]), flush=True)
     url = f"http://{_connect_host(args.triton_host)}:{args.http_port}"

@@ -4,7 +4,7 @@ The ``llm_*`` families follow vLLM's meanings. ``nv_trt_llm_kv_cache_block_metri
 ``nv_trt_llm_request_metrics`` repeat the same facts under the names and labels of Triton's TensorRT-LLM
 backend, which Triton's ORCA load report and the Kubernetes Gateway API Inference Extension's endpoint picker
 read (engine type ``triton-tensorrt-llm``: the model-server protocol, gateway-api-inference-extension
-``docs/proposals/003-model-server-protocol``). With the model setting ``vllm_metrics`` true, the protocol's
+``docs/proposals/003-model-server-protocol``). With the model setting ``vllm_metrics`` true (the default), the protocol's
 vLLM names are published too (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well.
 """
@@ -23,7 +23,7 @@ METRIC_SETTINGS = ("vllm_metrics",)  # model settings (config.pbtxt parameters) 
 
 def pop_metric_settings(settings: dict) -> dict:
     """Removes this module's settings from a model's settings and returns them as ``EngineMetrics`` keyword
-    arguments: ``vllm_metrics`` (``true``/``false``, default false).
+    arguments: ``vllm_metrics`` (``true``/``false``, default true).
 
     Raises:
         ValueError: a value that is not a boolean.
@@ -87,7 +87,7 @@ class EngineMetrics:
             (vLLM's label) and ``version``.
     """
 
-    def __init__(self, pb_utils, model: str, version: str, vllm_metrics: bool = False) -> None:
+    def __init__(self, pb_utils, model: str, version: str, vllm_metrics: bool = True) -> None:
         labels = {"model": model, "version": version}
         self._families = []  # a Metric is only valid while its MetricFamily object lives
 

@@ -2,8 +2,11 @@
 
 Two replicas run locally (no Kubernetes) exactly as a pod lays them out: the init container's model repository
 (config.pbtxt, version 1, the CPU overlay's engine settings as its engine.json), tritonserver and the OpenAI
-frontend. Their probes, the endpoint picker's metric specs, the prometheus-adapter rules and the KV events
-ports of the manifests are checked against them.
+frontend. Their probes, the endpoint picker's metric specs (read on the pool's target port, the frontend's
+/metrics), the prometheus-adapter rules and the KV events ports of the manifests are checked against them.
+
+The endpoint picker's configuration is checked field by field against what the pinned picker release accepts
+(deploy/overlays/gateway/picker-release.yaml, written from that release's Go structs).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from serve.launch import DEFAULT_MODEL_REPOSITORY
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 OVERLAYS = ["base", "overlays/cpu", "overlays/gateway"]
+PICKER_RELEASE = yaml.safe_load((DEPLOY / "overlays" / "gateway" / "picker-release.yaml").read_text())
 K8S_VERSION = "1.32.0"
 CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "PodMonitor"}
 # The endpoint picker's built-in metric specs per engine type (llm-d router,
 # pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go), which the model-server protocol names
-# (gateway-api-inference-extension docs/proposals/003-model-server-protocol).
+# (gateway-api-inference-extension docs/proposals/003-model-server-protocol). The pods are labelled "vllm" and
+# scraped on the frontend's port; Triton's port still serves the TensorRT-LLM names.
 PICKER_SPECS = {
     "triton-tensorrt-llm": {
         "queue": ("nv_trt_llm_request_metrics", {"request_type": "waiting"}),
@@ -99,7 +104,8 @@ def parse_selector(query: str) -> tuple[str, dict[str, str]]:
 def test_every_overlay_renders_and_its_built_in_kinds_validate(overlay):
     docs = render(overlay)
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler", "PodMonitor"} <= kinds
+    assert {"Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler", "PodMonitor", "PodDisruptionBudget",
+            "NetworkPolicy"} <= kinds
     for doc in docs:
         if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any schema error
@@ -149,10 +155,13 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
     assert route["parentRefs"] and route["parentRefs"][0]["name"]
     backends = [b for rule in route["rules"] for b in rule["backendRefs"]]
     assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "triton-llm"}]
-    # PodMonitor: selects the pods, scrapes a named container port.
+    # PodMonitor: selects the pods, scrapes the frontend's port (vLLM names) and Triton's (its vllm:* dropped there).
     monitor = one(docs, "PodMonitor")["spec"]
     assert monitor["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"] and port(triton, "metrics")
+    endpoints = {e["port"]: e for e in monitor["podMetricsEndpoints"]}
+    assert set(endpoints) == {"openai", "metrics"} and port(openai, "openai") and port(triton, "metrics")
+    assert endpoints["metrics"]["metricRelabelings"] == [
+        {"sourceLabels": ["__name__"], "regex": "vllm:.*", "action": "drop"}]
     # The picker's configuration: every reference resolves, and its ports and block size are the server's.
     config = picker_config(docs)
     assert config["apiVersion"] == "llm-d.ai/v1alpha1" and config["kind"] == "EndpointPickerConfig"
@@ -162,28 +171,157 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
     refs += [e["pluginRef"] for s in config["dataLayer"]["sources"] for e in s["extractors"]]
     assert set(refs) <= set(plugins)
     assert {"prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer"} <= set(refs)
-    assert plugins["metrics-data-source"]["parameters"]["port"] == port(triton, "metrics")
+    # The picker scrapes the pool's target port (the frontend) at the data source's path, with the vLLM specs.
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
+    assert "--triton-metrics-url=http://localhost:8002/metrics" in openai["args"]
+    assert pod_labels["llm-d.ai/engine-type"] == "vllm"
     assert plugins["core-metrics-extractor"]["parameters"]["defaultEngine"] == pod_labels["llm-d.ai/engine-type"]
     kv = plugins["precise-prefix-cache-producer"]["parameters"]
     discovery = kv["kvEventsConfig"]["podDiscoveryConfig"]
-    assert (discovery["socketPort"], discovery["replaySocketPort"]) == (port(triton, "kv-events"), port(triton, "kv-replay"))
+    assert discovery["socketPort"] == port(triton, "kv-events")
     settings = engine_settings(docs)
     assert settings["kv_events_endpoint"] == f"tcp://*:{discovery['socketPort']}"
-    assert settings["kv_events_replay_endpoint"] == f"tcp://*:{discovery['replaySocketPort']}"
+    assert settings["kv_events_replay_endpoint"] == f"tcp://*:{port(triton, 'kv-replay')}"
     assert settings["kv_events_topic"].startswith(kv["kvEventsConfig"]["topicFilter"])
     config_pbtxt = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
     block_size = int(re.search(r'key: "block_size" value: \{ string_value: "(\d+)"', config_pbtxt).group(1))
-    assert kv["tokenProcessorConfig"]["blockSize"] == settings.get("block_size", block_size)
+    assert kv["tokenProcessorConfig"]["blockSizeTokens"] == settings.get("block_size", block_size)
     service = one(docs, "Service", "triton-llm")
     assert plugins["token-producer"]["parameters"]["vllm"]["url"] == f"http://triton-llm:{port(openai, 'openai')}"
+    assert plugins["token-producer"]["parameters"]["modelName"] == "llm"  # the name the OpenAI API serves
     assert port(openai, "openai") in [p["port"] for p in service["spec"]["ports"]]
 
 
 def test_autoscaler_reads_the_metrics_the_adapter_rules_publish():
-    hpa = one(render("base"), "HorizontalPodAutoscaler")["spec"]
+    docs = render("base")
+    hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
     names = {m["pods"]["metric"]["name"] for m in hpa["metrics"]}
     assert names == {rule["name"]["as"] for rule in adapter_rules()}
+    assert "llm_requests_waiting" in names  # the pool's queue, per replica
     assert hpa["scaleTargetRef"]["name"] == "triton-llm"
+    assert "replicas" not in one(docs, "Deployment", "triton-llm")["spec"]  # the autoscaler owns the count
+
+
+# -- the endpoint picker's configuration against its pinned release -------------------------------------------
+SCALARS = {
+    "string": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "quantity": lambda v: isinstance(v, (str, int)) and not isinstance(v, bool),
+    "duration": lambda v: isinstance(v, str) and re.fullmatch(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+", v) is not None,
+}
+
+
+def unknown_fields(value, schema, path: str, plugin_type: str | None = None) -> list[str]:
+    """Every place where ``value`` leaves ``schema`` (picker-release.yaml's notation), as "path: why"."""
+    if schema == "opaque":
+        return [f"{path}: a field whose type the pinned release's schema does not spell out"]
+    if schema == "plugin-parameters":
+        known = PICKER_RELEASE["parameters"]
+        if plugin_type not in known:
+            return [f"{path}: plugin type {plugin_type!r} is not in the pinned release"]
+        return unknown_fields(value, known[plugin_type], path)
+    if isinstance(schema, str):
+        return [] if SCALARS[schema](value) else [f"{path}: {value!r} is not a {schema}"]
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            return [f"{path}: not a list"]
+        return [e for i, item in enumerate(value) for e in unknown_fields(item, schema[0], f"{path}[{i}]", plugin_type)]
+    if not isinstance(value, dict):
+        return [f"{path}: not an object"]
+    errors = [f"{path}.{key}: unknown to {PICKER_RELEASE['release']}" for key in value if key not in schema]
+    if schema.get("parameters") == "plugin-parameters" and value.get("type") not in PICKER_RELEASE["parameters"]:
+        errors.append(f"{path}.type: plugin type {value.get('type')!r} is not in the pinned release")
+    for key, item in value.items():
+        if key in schema:
+            kind = value.get("type") if schema[key] == "plugin-parameters" else plugin_type
+            errors += unknown_fields(item, schema[key], f"{path}.{key}", kind)
+    return errors
+
+
+def test_picker_config_has_only_fields_the_pinned_release_knows_with_their_types():
+    docs = render("overlays/gateway")
+    config = picker_config(docs)
+    assert unknown_fields(config, PICKER_RELEASE["config"], "config") == []
+    assert config["apiVersion"] in PICKER_RELEASE["apiVersions"] and config["kind"] == PICKER_RELEASE["kind"]
+    assert {p["type"] for p in config["plugins"]} <= set(PICKER_RELEASE["parameters"])
+    # The image is the release whose fields these are; its probes ask health services it serves.
+    epp = container(one(docs, "Deployment", "triton-llm-epp"), "epp")
+    assert epp["image"] == PICKER_RELEASE["image"] and epp["image"].endswith(":" + PICKER_RELEASE["release"])
+    assert {epp[p]["grpc"]["service"] for p in ("livenessProbe", "readinessProbe")} <= set(PICKER_RELEASE["healthServices"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"plugins": [{"type": "metrics-data-source", "parameters": {"port": 8002}}]}, "parameters.port: unknown"),
+    ({"plugins": [{"type": "precise-prefix-cache-producer",
+                   "parameters": {"kvEventsConfig": {"podDiscoveryConfig": {"replaySocketPort": 5558}}}}]},
+     "replaySocketPort: unknown"),
+    ({"plugins": [{"type": "max-score-picker", "parameters": {"maxNumOfEndpoints": "2"}}]}, "is not a int"),
+    ({"plugins": [{"type": "no-such-plugin"}]}, "is not in the pinned release"),
+    ({"schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "a", "weight": True}]}]}, "is not a float"),
+    ({"plugins": [{"type": "token-producer", "parameters": {"estimate": {}}}]}, "does not spell out"),
+])
+def test_picker_schema_check_refuses_drift(bad, message):
+    errors = unknown_fields(bad, PICKER_RELEASE["config"], "config")
+    assert any(message in e for e in errors), errors
+
+
+# -- locked-down pods ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_locked_down_and_take_their_keys_from_secrets(overlay):
+    docs = render(overlay)
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            if c["name"] != "model-repository":
+                assert "/tmp" in mounts, c["name"]
+    deployment = one(docs, "Deployment", "triton-llm")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == 1000
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["cache"] and "emptyDir" in volumes["tmp"]
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for c in pod["containers"] for e in c.get("env", [])
+               if "secretKeyRef" in e.get("valueFrom", {})}
+    assert secrets == {"LLM_API_KEY": {"name": "triton-llm-api-key", "key": "api-key"},
+                       "TRITON_ADMIN_KEY": {"name": "triton-llm-admin-key", "key": "admin-key"}}
+    assert not any("value" in e and "KEY" in e["name"] for c in pod["containers"] for e in c.get("env", []))
+    budget = one(docs, "PodDisruptionBudget")["spec"]
+    assert budget["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_network_policies_admit_only_the_gateway_the_picker_and_prometheus():
+    docs = render("overlays/gateway")
+    pod_labels = one(docs, "Deployment", "triton-llm")["spec"]["template"]["metadata"]["labels"]
+    epp_labels = one(docs, "Deployment", "triton-llm-epp")["spec"]["template"]["metadata"]["labels"]
+    gateway = (("gateway.networking.k8s.io/gateway-name", "inference-gateway"),)
+    prometheus = (("app.kubernetes.io/name", "prometheus"),)
+    admitted = {"triton-llm": {}, "triton-llm-epp": {}}  # pods -> who -> ports
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        spec = policy["spec"]
+        target = spec["podSelector"]["matchLabels"]["app"]
+        labels = pod_labels if target == "triton-llm" else epp_labels
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items() and spec["policyTypes"] == ["Ingress"]
+        for rule in spec["ingress"]:
+            assert rule["from"], "a rule without sources admits everyone"
+            for source in rule["from"]:
+                assert "ipBlock" not in source and source["podSelector"]["matchLabels"]
+                who = tuple(sorted(source["podSelector"]["matchLabels"].items()))
+                admitted[target].setdefault(who, set()).update(p["port"] for p in rule["ports"])
+    assert admitted["triton-llm"] == {gateway: {9000}, prometheus: {9000, 8002},
+                                      tuple(sorted(epp_labels.items())): {9000, 5557, 5558}}
+    assert admitted["triton-llm-epp"] == {gateway: {9002}, prometheus: {9090}}
+    route = one(docs, "HTTPRoute")["spec"]
+    assert route["parentRefs"][0]["name"] == "inference-gateway"
+    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+    assert namespaces == {"triton-llm"}  # one namespace, created with the restricted Pod Security Standard
+    assert one(docs, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
 # -- two replicas, as the pods run them -----------------------------------------------------------------------
@@ -221,7 +359,8 @@ def replicas(tmp_path_factory):
             openai_port = free_port()
             replica["openai"] = subprocess.Popen(
                 [sys.executable, "-m", "openai_frontend", "--port", str(openai_port), "--host", "127.0.0.1",
-                 "--triton-url", replica["server"].grpc_url, "--model-repository", str(replica["repository"])],
+                 "--triton-url", replica["server"].grpc_url, "--model-repository", str(replica["repository"]),
+                 "--triton-metrics-url", replica["server"].metrics_url],
                 stdout=open(replica["root"] / "openai.log", "wb"), stderr=subprocess.STDOUT)
             replica["openai_url"] = f"http://127.0.0.1:{openai_port}"
         for replica in started:
@@ -256,8 +395,10 @@ def _ok(url: str) -> bool:
         return False
 
 
-def scrape(replica: dict) -> list:
-    text = requests.get(replica["server"].metrics_url, timeout=5).text
+def scrape(replica: dict, frontend: bool = False) -> list:
+    """Triton's metrics page, or with ``frontend`` the OpenAI frontend's /metrics (the pool's target port)."""
+    url = f"{replica['openai_url']}/metrics" if frontend else replica["server"].metrics_url
+    text = requests.get(url, timeout=5).text
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
@@ -266,8 +407,9 @@ def matching(samples: list, name: str, labels: dict[str, str]) -> list:
 
 
 def picker_values(replica: dict, engine: str) -> dict[str, float]:
-    """What the picker reads for ``engine``: each spec must match exactly one series (else it would pick one)."""
-    samples = scrape(replica)
+    """What the picker reads for ``engine``: each spec must match exactly one series (else it would pick one).
+    The vLLM names are read where the picker reads them, on the frontend's port; the TensorRT-LLM ones on Triton's."""
+    samples = scrape(replica, frontend=engine == "vllm")
     values = {}
     for key, (name, labels) in PICKER_SPECS[engine].items():
         found = matching(samples, name, labels)
@@ -332,9 +474,9 @@ def test_picker_and_adapter_metrics_exist_once_per_pod_and_follow_the_load(repli
     assert vllm["queue"] == vllm["running"] == vllm["kv_usage"] == 0
     assert vllm["cache_info"]["block_size"] == str(settings_block)
     assert vllm["cache_info"]["num_gpu_blocks"] == str(int(idle["num_blocks"]))
-    for rule in adapter_rules():
+    for rule in adapter_rules():  # Prometheus scrapes them from the frontend's port too
         name, labels = parse_selector(rule["seriesQuery"])
-        assert len(matching(scrape(busy), name, labels)) == 1, rule["seriesQuery"]
+        assert len(matching(scrape(busy, frontend=True), name, labels)) == 1, rule["seriesQuery"]
 
     def generate(i: int) -> None:
         requests.post(f"{busy['openai_url']}/v1/completions", timeout=300,
@@ -359,6 +501,40 @@ def test_picker_and_adapter_metrics_exist_once_per_pod_and_follow_the_load(repli
     assert peak["queue"] >= 1 and peak["running"] == 2 and 0 < peak["kv_usage"] <= 1, peak
     assert peak_vllm["queue"] >= 1 and peak_vllm["running"] == 2 and 0 < peak_vllm["kv_usage"] <= 1, peak_vllm
     wait_idle(busy)  # back to idle once the model has published its last stats
+
+
+def histogram(samples: list, name: str) -> tuple[float, float]:
+    """(count, sum) of a histogram's single series."""
+    count = [s.value for s in samples if s.name == f"{name}_count"]
+    total = [s.value for s in samples if s.name == f"{name}_sum"]
+    assert len(count) == len(total) == 1, name
+    return count[0], total[0]
+
+
+def test_frontend_metrics_measure_each_request_under_vllm_names(replicas):
+    _, started = replicas
+    replica = started[0]
+    names = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds")
+    before = scrape(replica, frontend=True)
+    counts = {name: histogram(before, name)[0] if matching(before, f"{name}_count", {}) else 0.0 for name in names}
+    success = sum(s.value for s in matching(before, "vllm:request_success_total", {"finished_reason": "length"}))
+    generated = sum(s.value for s in matching(before, "vllm:generation_tokens_total", {}))
+    body = {"model": "llm", "prompt": "Count to ten:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for stream in (False, True):
+        response = requests.post(f"{replica['openai_url']}/v1/completions", json={**body, "stream": stream}, timeout=120)
+        assert response.status_code == 200
+    after = scrape(replica, frontend=True)
+    assert all(s.labels["model_name"] == "llm" for s in after if s.name.startswith("vllm:time_to_first_token"))
+    assert histogram(after, names[0])[0] - counts[names[0]] == 2  # one first token per request
+    assert histogram(after, names[1])[0] - counts[names[1]] == 2 * 5  # each later token once
+    assert histogram(after, names[2])[0] - counts[names[2]] == 2
+    assert 0 < histogram(after, names[0])[1] <= histogram(after, names[2])[1]
+    assert sum(s.value for s in matching(after, "vllm:request_success_total", {"finished_reason": "length"})) - success == 2
+    assert sum(s.value for s in matching(after, "vllm:generation_tokens_total", {})) - generated == 12
+    # The engine's gauges come through from Triton's port, one series each; the frontend says it read them.
+    assert [s.value for s in after if s.name == "llm_frontend_engine_metrics_up"] == [1.0]
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert len(matching(after, name, {})) == 1, name
 
 
 def test_a_replica_publishes_kv_events_a_router_can_decode(replicas):

@@ -1,19 +1,24 @@
 """KV cache events: vLLM's wire format over ZeroMQ, read back the way llm-d and Dynamo read them.
 
-A subscriber decodes every message with vLLM's schema (``vllm_kv_schema``, written from vLLM's documented
-structs, not imported from ``backend.kv_events``), strictly typed.
+A subscriber decodes every message with vLLM 0.32.0's structs (``vllm_kv_schema``, mirrored from that release,
+not imported from ``backend.kv_events``), strictly typed, and rebuilds every stored block's hash from what the
+event carries, as a router that keeps its own index does.
 """
 
 from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import zmq
-from vllm_kv_schema import DECODER, AllBlocksCleared, BlockStored, apply, local, receive_all, replay
+from vllm_kv_schema import DECODER, AllBlocksCleared, BlockRemoved, BlockStored, apply, local, receive_all, replay
 
 from backend import EngineConfig, LLMEngine, SamplingParams
-from backend.kv_events import external_block_hash
+from backend.block_pool import sha256_block_hash
+from backend.kv_cache_manager import KVCacheManager
+from backend.kv_events import EventBatch, external_block_hash, to_vllm_events
+from backend.request import Request
 
 
 BLOCK_SIZE = 4
@@ -51,6 +56,20 @@ def run_workload(engine: LLMEngine) -> None:
         engine.step()
 
 
+def rebuild_hashes(full: dict[int, bytes], event: BlockStored) -> None:
+    """Recomputes each stored block's hash from the event alone (parent, token ids, extra keys) with the engine's
+    hash function, checks it against the published one and records the full hash under the wire hash."""
+    parent = full[event.parent_block_hash] if event.parent_block_hash is not None else None
+    for i, wire_hash in enumerate(event.block_hashes):
+        tokens = event.token_ids[i * event.block_size:(i + 1) * event.block_size]
+        extra = event.extra_keys[i]
+        assert extra is None or (i == 0 and event.parent_block_hash is None), "a salt only on a prompt's first block"
+        seed = parent if parent is not None else (extra[0].encode() if extra else None)
+        parent = sha256_block_hash(seed, tokens)
+        assert external_block_hash(parent) == wire_hash
+        full[wire_hash] = parent
+
+
 def test_replaying_the_events_reproduces_the_pools_cached_blocks(events_engine):
     engine, subscriber = events_engine
     run_workload(engine)
@@ -60,15 +79,62 @@ def test_replaying_the_events_reproduces_the_pools_cached_blocks(events_engine):
     assert [int.from_bytes(m[1], "big") for m in messages] == list(range(len(messages)))  # no gap, from 0
     assert {m[0] for m in messages} == {b"kv@10.0.0.7:9000@llm"}  # the topic, its $VAR expanded
     state: set[int] = set()
+    full: dict[int, bytes] = {}
     kinds = set()
     for _, _, payload in messages:
-        batch = DECODER.decode(payload)  # strict: every field has vLLM's type
+        batch = DECODER.decode(payload)  # strict: every field has vLLM 0.32's type
         assert batch.data_parallel_rank == 0 and abs(batch.ts - time.time()) < 600
         kinds |= {type(e).__name__ for e in batch.events}
         apply(state, batch, BLOCK_SIZE)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                rebuild_hashes(full, event)
+            elif isinstance(event, BlockRemoved):
+                assert all(h in full for h in event.block_hashes)
     assert kinds == {"BlockStored", "BlockRemoved"}
-    assert state == {external_block_hash(h) for h in pool.cached_hashes()}
+    # Each block the events leave stored is one the engine's prefix cache holds, under the same full hash.
+    assert {full[h] for h in state} == pool.cached_hashes()
     assert len(state) == len(pool.cached_hashes())  # 64-bit wire hashes stay distinct
+
+
+def test_events_are_tagged_maps_with_vllm_0_32_fields(events_engine):
+    """vLLM 0.32 encodes the batch as an array and each event as a map tagged by "type", with lora_name."""
+    engine, subscriber = events_engine
+    engine.add_request(PREFIX, SamplingParams(max_tokens=2, temperature=0.0), request_id="one")
+    while engine.has_unfinished_requests():
+        engine.step()
+    ts, events, rank = msgspec.msgpack.decode(receive_all(subscriber)[0][2])  # untyped: the raw layout
+    assert isinstance(ts, float) and rank == 0
+    assert list(events[0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                               "medium", "lora_name", "extra_keys", "group_idx"]
+    assert events[0]["type"] == "BlockStored" and events[0]["lora_name"] is None
+    assert events[0]["extra_keys"] == [None] * len(events[0]["block_hashes"])
+
+
+def test_a_cache_salt_is_the_first_blocks_extra_key_and_separates_the_hashes(tokenizer):
+    """vLLM puts ``cache_salt`` in the first block's extra keys; the same tokens under two salts are two blocks."""
+    manager = KVCacheManager(num_blocks=32, block_size=BLOCK_SIZE)
+    manager.pool.enable_events()
+    prompt = tokenizer.encode(PREFIX * 2)[:3 * BLOCK_SIZE + 1]
+    assert len(prompt) == 3 * BLOCK_SIZE + 1
+    requests = [Request(name, prompt, SamplingParams(max_tokens=1), (), 1, cache_salt=salt)
+                for name, salt in (("a", "tenant-a"), ("b", "tenant-b"), ("c", None))]
+    for request in requests:
+        assert manager.allocate_slots(request, len(prompt))
+    payload = msgspec.msgpack.encode(EventBatch(time.time(), to_vllm_events(manager.pool.take_events(), BLOCK_SIZE), 0))
+    events = DECODER.decode(payload).events
+    assert [e.extra_keys for e in events] == [[("tenant-a",), None, None], [("tenant-b",), None, None],
+                                              [None, None, None]]
+    assert all(e.parent_block_hash is None and e.token_ids == prompt[:3 * BLOCK_SIZE] for e in events)
+    assert len({h for e in events for h in e.block_hashes}) == 9  # no block shared across salts
+    full: dict[int, bytes] = {}
+    for event in events:
+        rebuild_hashes(full, event)
+    # The same salt finds its blocks again; another salt does not.
+    again = Request("a2", prompt, SamplingParams(max_tokens=1), (), 1, cache_salt="tenant-a")
+    other = Request("d", prompt, SamplingParams(max_tokens=1), (), 1, cache_salt="tenant-d")
+    assert manager.get_computed_blocks(again) == manager.get_block_ids("a")[:3]
+    assert manager.get_computed_blocks(other) == []
 
 
 def test_replay_socket_returns_the_buffered_batches_from_any_sequence(events_engine):

@@ -1,11 +1,21 @@
-"""vLLM's KV cache event schema, written from vLLM's documented structs (``vllm/distributed/kv_events.py`` as
-of vLLM 0.11, and its ``examples/online_serving/kv_events_subscriber.py``), independently of
-``backend.kv_events``; and a replay client and an index as a router keeps one. Shared by the KV events tests."""
+"""vLLM's KV cache event schema, mirrored from vLLM 0.32.0 (PyPI release ``vllm==0.32.0``, its
+``vllm/distributed/kv_events.py``: ``EventBatch``, ``KVCacheEvent``, ``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``, ``KVEventBatch``; ``ExternalBlockHash`` from ``vllm/v1/core/kv_cache_utils.py``), field
+for field, with the same msgspec options, independently of ``backend.kv_events``; and a replay client and an
+index as a router keeps one. Shared by the KV events tests.
+
+In that release the batch is ``array_like`` but the events are not: each event is a msgpack map tagged by
+``"type"``, so a decoder of this schema refuses array-encoded events (what vLLM 0.11 sent).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import zmq
+
+ExternalBlockHash = bytes | int  # vllm/v1/core/kv_cache_utils.py
 
 
 def local(endpoint: str) -> str:
@@ -13,39 +23,55 @@ def local(endpoint: str) -> str:
     return endpoint.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")
 
 
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list
+    events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events."""
 
 
-class BlockStored(VllmKVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
-class BlockRemoved(VllmKVCacheEvent):
-    block_hashes: list[int]
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class AllBlocksCleared(VllmKVCacheEvent):
+class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class VllmKVEventBatch(VllmEventBatch):
+class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-DECODER = msgspec.msgpack.Decoder(type=VllmKVEventBatch)
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 def replay(endpoint: str, start: int) -> list[list[bytes]]:
@@ -66,20 +92,20 @@ def replay(endpoint: str, start: int) -> list[list[bytes]]:
     return frames
 
 
-
-
-def apply(state: set[int], batch: VllmKVEventBatch, block_size: int) -> None:
+def apply(state: set[int], batch: KVEventBatch, block_size: int) -> None:
     """What a router's index does with one batch; checks each event is self-consistent on the way."""
     for event in batch.events:
         if isinstance(event, BlockStored):
-            assert event.block_size == block_size and event.medium == "GPU" and event.lora_id is None
+            assert event.block_size == block_size and event.medium == MEDIUM_GPU
+            assert event.lora_id is None and event.lora_name is None and event.group_idx == 0
             assert len(event.token_ids) == block_size * len(event.block_hashes)
+            assert event.extra_keys is not None and len(event.extra_keys) == len(event.block_hashes)
             # llm-d drops a store whose parent it does not know: the parent must be cached already.
             assert event.parent_block_hash is None or event.parent_block_hash in state
             assert not state & set(event.block_hashes), "a block stored twice without a removal"
             state.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            assert event.medium == "GPU"
+            assert event.medium == MEDIUM_GPU and event.group_idx == 0
             assert set(event.block_hashes) <= state, "a block removed that was never stored"
             state.difference_update(event.block_hashes)
         else:

@@ -1,0 +1,95 @@
+"""vLLM's utility routes beside OpenAI's: one model by id, ``/tokenize`` and ``/detokenize``.
+
+``/tokenize`` takes a completion's ``prompt`` or a chat's ``messages`` (rendered as ``/v1/chat/completions``
+renders them) and answers the token ids the engine computes, with ``count`` and ``max_model_len``;
+``/detokenize`` turns token ids back into text. Tokenizing runs on a worker thread, with the prompt bound
+generation has (``openai_frontend.limits``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+
+from openai_frontend.chat_template import render_chat
+from openai_frontend.errors import OpenAIError
+from openai_frontend.limits import max_model_len, render_token_ids
+from openai_frontend.models import model_ids, resolve, tokenizer_for
+from openai_frontend.protocol import ChatCompletionRequest
+from openai_frontend.tool_calls import ToolChoice
+from openai_frontend.triton_stream import TritonLLM
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest`` (``messages``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]
+
+
+def token_routes(triton: TritonLLM, config) -> APIRouter:
+    """The routes, over ``triton`` and the frontend's ``config`` (model repository and tokenizer)."""
+    router = APIRouter()
+
+    async def tokenizer(model: str):
+        name, version = await resolve(triton, model)
+        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
+        return tokenizer, name, version
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in await model_ids(triton):
+            raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model_not_found", "model")
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "triton"}
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "send prompt or messages, exactly one of them", "invalid_value", "prompt")
+        tok, name, version = await tokenizer(body.model)
+        limit = max_model_len(config.model_repository, name, version)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
+                                         chat_template=body.chat_template,
+                                         chat_template_kwargs=body.chat_template_kwargs,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message)
+            chat.check()
+            tools = ToolChoice.from_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+            prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools)
+        else:
+            prompt = body.prompt
+        [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=body.add_special_tokens)
+        answer = {"count": len(ids), "max_model_len": limit, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return answer
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        tok, _, _ = await tokenizer(body.model)
+        if any(not 0 <= t < len(tok) for t in body.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {len(tok)})", "invalid_value", "tokens")
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
+
+    return router
+
