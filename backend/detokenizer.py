@@ -13,13 +13,15 @@ class IncrementalDetokenizer:
     deltas equal ``tokenizer.decode(output_ids)``.
 
     Stop strings: text that could still grow into a stop string is held back; when one appears the text
-    is cut before it (the stop string is never returned) and :attr:`stopped` becomes True.
+    is cut before it (after it with ``include_stop``) and :attr:`stopped` becomes True.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 include_stop: bool = False) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = list(stop or [])
+        self.include_stop = include_stop
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.stopped = False
@@ -39,9 +41,10 @@ class IncrementalDetokenizer:
             return
         start = max(self._search_from, len(self.text) - self._max_stop_len + 1)
         self.text += chunk
-        hits = [pos for pos in (self.text.find(s, start) for s in self.stop) if pos >= 0]
+        hits = [(pos, -len(s)) for pos, s in ((self.text.find(s, start), s) for s in self.stop) if pos >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            pos, minus_len = min(hits)  # the earliest; the longest of those starting there
+            self.text = self.text[: pos - minus_len if self.include_stop else pos]
             self.stopped = True
 
     def delta(self, final: bool) -> str:

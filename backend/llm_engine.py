@@ -152,6 +152,13 @@ class LLMEngine:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens:]
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.token_ids_used() if t >= vocab]
+        if outside:
+            raise ValueError(f"token id {outside[0]} (in stop_token_ids, logit_bias or allowed_token_ids) is "
+                             f"outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one output token must fit)")

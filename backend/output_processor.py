@@ -57,7 +57,8 @@ class OutputProcessor:
             ValueError: a request with the same id is still in flight.
         """
         params = parent.params
-        states = [RequestState(r, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop),
+        states = [RequestState(r, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                                               params.include_stop_str_in_output),
                                parent, prompt_logprobs=[None] if r.wants_prompt_logprobs else None)
                   for r in requests]
         with self._lock:

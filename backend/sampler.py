@@ -65,6 +65,7 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        logits = self._apply_bias_and_allowed(logits, requests)
         logits = self._apply_penalties(logits, requests)
         grammar_rows = apply_grammar_bitmask(logits, [r.grammar for r in requests])
         # Where min_tokens or bad words would leave a grammar nothing to pick, the grammar wins.
@@ -90,6 +91,21 @@ class Sampler:
                 if want_logprobs[i]:
                     logprobs[i] = _logprobs(raw_logprobs[i], ids[i], request.params.logprobs)
         return SamplerOutput(ids, logprobs)
+
+    @staticmethod
+    def _apply_bias_and_allowed(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """``logit_bias`` added, and everything outside ``allowed_token_ids`` masked (-inf)."""
+        for i, request in enumerate(requests):
+            params = request.params
+            if params.allowed_token_ids is not None:
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+                kept = logits[i, allowed]
+                logits[i] = float("-inf")
+                logits[i, allowed] = kept
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+        return logits
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -181,4 +197,4 @@ def plain_greedy(request: Request) -> bool:
     return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
             and not params.presence_penalty and not params.frequency_penalty
             and request.num_output_tokens >= params.min_tokens and not request.bad_words_token_ids
-            and request.grammar is None)
+            and request.grammar is None and not params.logit_bias and params.allowed_token_ids is None)

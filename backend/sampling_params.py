@@ -17,6 +17,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 32
 MAX_BAD_WORD_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 @dataclass
@@ -51,6 +53,12 @@ class SamplingParams:
             own forward pass (no second model run); the prompt's first token has none. Such a request takes no
             prefix-cache hits for its prompt (a cached block's positions would have no logits).
         skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the stop string that ended the request at the end of its text.
+        logit_bias: token id -> a value added to its logit before sampling, in [-100, 100] (OpenAI's
+            ``logit_bias``; -100 in effect bans a token, 100 all but forces it); at most ``MAX_LOGIT_BIAS`` entries.
+        allowed_token_ids: only these tokens may be sampled (vLLM's ``allowed_token_ids``); at most
+            ``MAX_ALLOWED_TOKEN_IDS``.
+        truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's ``truncate_prompt_tokens``), k >= 1.
         structured_outputs: what the output must match (a JSON schema, any JSON object, a regex, a choice,
             an EBNF grammar; vLLM's ``structured_outputs``), enforced while sampling; an object with those
             field names (or its JSON text) is converted. See ``backend.structured_output``.
@@ -77,6 +85,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -111,12 +123,30 @@ class SamplingParams:
             _int("stop_token_ids", token_id, low=0)
         _bool("ignore_eos", self.ignore_eos)
         _bool("skip_special_tokens", self.skip_special_tokens)
+        _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{_short(self.allowed_token_ids)}")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids has {len(self.allowed_token_ids)} entries; at most "
+                                 f"{MAX_ALLOWED_TOKEN_IDS}")
+            for token_id in self.allowed_token_ids:
+                _int("allowed_token_ids", token_id, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id these parameters name (checked against the vocabulary by the engine)."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +167,25 @@ class SamplingParams:
             names = names if len(names) <= 200 else f"{names[:200]}..."
             raise ValueError(f"unknown sampling parameter(s) {names}; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """``{token id (an int, or its decimal string as JSON keys are): bias}`` -> ``{int: float}``."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {_short(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
+        except ValueError:
+            token_id = None
+        if token_id is None or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {_short(key)}")
+        _float("logit_bias", bias, low=-100.0, high=100.0)
+        out[token_id] = float(bias)
+    return out
 
 
 def _strings(name: str, value: object, max_count: int, max_chars: int) -> None:

@@ -9,26 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_frontend import metrics
 from openai_frontend.auth import protect
+from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError
 from openai_frontend.limits import Limits, check_completion_count, install_limits, max_model_len, render_token_ids
+from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
-from openai_frontend.tool_calls import ToolCallParser, ToolChoice, messages_for_plain_template
+from openai_frontend.token_routes import token_routes
+from openai_frontend.tool_calls import ToolCallParser, ToolChoice
 from openai_frontend.triton_stream import Delta, TritonLLM
 
 DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
@@ -69,6 +71,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def openai_error(request: Request, exc: OpenAIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method, ...
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), code).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -76,7 +84,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         if first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
         else:
-            message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+            # The message alone: the error's input, context and location in the source stay out.
+            message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
         return JSONResponse(OpenAIError(400, message, "invalid_request", param).body(), status_code=400)
 
     @app.get("/health")
@@ -89,14 +98,14 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def models():
         created = int(time.time())
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "triton"} for model_id in await _model_ids(triton)]}
+                                            "owned_by": "triton"} for model_id in await model_ids(triton)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check()
         prompts = body.prompts
         check_completion_count(len(prompts), body.n, config.limits)
-        name, version = await _resolve(triton, body.model)
+        name, version = await resolve(triton, body.model)
         # echo with max_tokens 0 scores the prompt alone (as vLLM: one token is generated and dropped).
         echo_only = bool(body.echo) and body.max_tokens == 0
         max_tokens = 1 if echo_only else body.max_tokens if body.max_tokens is not None else 16
@@ -106,12 +115,13 @@ def create_app(config: FrontendConfig) -> FastAPI:
             sampling["prompt_logprobs"] = max(body.prompt_logprobs or 0, body.logprobs)
         texts, ids = [p if isinstance(p, str) else "" for p in prompts], [None] * len(prompts)
         if body.echo and (echo_logprobs or any(not isinstance(p, str) for p in prompts)):
-            tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
+            tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
             texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs)
-        view = _View("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, echo=bool(body.echo),
+        request_id = _request_id(body, request)
+        view = _View("text_completion", f"cmpl-{request_id}", body.model, chat=False, echo=bool(body.echo),
                      prompts=texts, n=body.n or 1, top_n=body.logprobs, echo_only=echo_only, prompt_ids=ids,
-                     prompt_logprobs=body.prompt_logprobs is not None)
-        events = _merged(triton, name, version, prompts, sampling)
+                     prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage)
+        events = _merged(triton, name, version, prompts, sampling, request_id)
         if echo_logprobs:
             events = _prompt_logprobs_first(events)
         return await _respond(view, events, body.stream, body.include_usage, request)
@@ -129,13 +139,14 @@ def create_app(config: FrontendConfig) -> FastAPI:
                 raise OpenAIError(400, f"tool_choice {tools.mode} constrains the reply; drop response_format",
                                   "invalid_value", "tool_choice")
             sampling["structured_outputs"] = tools.structured_outputs()
-        name, version = await _resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)  # the first load takes seconds
-        prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template, tools)
-        view = _View("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, echo=False,
+        name, version = await resolve(triton, body.model)
+        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)  # the first load takes seconds
+        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools)
+        request_id = _request_id(body, request)
+        view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
                      prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
-                     prompt_logprobs=body.prompt_logprobs is not None)
-        events = _merged(triton, name, version, [prompt], sampling)
+                     prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage)
+        events = _merged(triton, name, version, [prompt], sampling, request_id)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
     # vLLM's render endpoints: the token ids the engine will compute for a request, without running it. The
@@ -146,96 +157,28 @@ def create_app(config: FrontendConfig) -> FastAPI:
         body.check()
         prompts = body.prompts
         check_completion_count(len(prompts), 1, config.limits)
-        name, version = await _resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
+        name, version = await resolve(triton, body.model)
+        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
         ids = await render_token_ids(tokenizer, prompts, max_model_len(config.model_repository, name, version))
         return [{"token_ids": token_ids} for token_ids in ids]
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest):
         body.check()
-        name, version = await _resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(_tokenizer, config, name, version)
-        prompt = await asyncio.to_thread(_render_chat, tokenizer, body, config.chat_template)
+        name, version = await resolve(triton, body.model)
+        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
+        tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools)  # as generated
         (ids,) = await render_token_ids(tokenizer, [prompt], max_model_len(config.model_repository, name, version))
         return {"token_ids": ids}
 
+    app.include_router(token_routes(triton, config))
     return app
 
 
-# -- models ----------------------------------------------------------------------------------------------
-async def _model_ids(triton: TritonLLM) -> list[str]:
-    """``name`` (the version Triton picks by its version policy) and ``name/version`` for each READY one."""
-    ids: list[str] = []
-    for name, version in sorted(await triton.models()):
-        if name not in ids:
-            ids.append(name)
-        if version:
-            ids.append(f"{name}/{version}")
-    return ids
-
-
-async def _resolve(triton: TritonLLM, model_id: str) -> tuple[str, str]:
-    """``name`` or ``name/version`` -> (name, version); 404 unless Triton serves it."""
-    if model_id not in await _model_ids(triton):
-        raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model_not_found", "model")
-    name, _, version = model_id.partition("/")
-    return name, version
-
-
-def _tokenizer(config: FrontendConfig, name: str, version: str):
-    return _load_tokenizer(config.tokenizer or _model_source(config.model_repository, name, version))
-
-
-def _model_source(repository: Path, name: str, version: str) -> str:
-    """The model a version serves, as its engine reads it: config.pbtxt's ``model`` parameter, then
-    ``<version>/engine.json`` (version "" = the newest version directory); "" is the default model."""
-    directory = repository / name
-    source = ""
-    config = directory / "config.pbtxt"
-    if config.exists():
-        match = re.search(r'key:\s*"model"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config.read_text())
-        source = match[1] if match else ""
-    versions = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
-        if directory.is_dir() else []
-    version = version or (str(versions[0]) if versions else "")
-    engine = directory / version / "engine.json"
-    if version and engine.exists():
-        source = json.loads(engine.read_text()).get("model", source) or source
-    return source
-
-
-@lru_cache(maxsize=8)
-def _load_tokenizer(source: str):
-    from transformers import AutoTokenizer
-
-    from backend.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(source or None))
-
-
-def _render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None,
-                 tools: ToolChoice | None = None) -> str:
-    """The prompt text: the chat template (the tokenizer's, or ``chat_template``) over the messages. A template
-    that renders ``tools`` gets them; for one that does not, they (and earlier tool calls and results) are
-    presented in the Hermes format (``openai_frontend.tool_calls``)."""
-    tools = tools or ToolChoice("none")
-    messages = body.messages_for_template()
-    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
-    kwargs = dict(body.chat_template_kwargs or {})
-    has_tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-    if "tools" in template:
-        if tools.active:
-            kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
-    elif tools.active or has_tool_turns:
-        messages = messages_for_plain_template(messages, tools.tools if tools.active else [])
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             chat_template=chat_template, **kwargs)
-    except OpenAIError:
-        raise
-    except Exception as exc:  # a template that raises (e.g. roles it does not accept) is the request's fault
-        raise OpenAIError(400, f"chat template failed: {exc}", "invalid_request", "messages") from None
+def _request_id(body, request: Request) -> str:
+    """vLLM's: the body's ``request_id``, else the ``X-Request-Id`` header, else a random one."""
+    return body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
 def _echo_prompts(tokenizer, prompts: list[str | list[int]], with_ids: bool) -> tuple[list[str], list]:
@@ -277,18 +220,18 @@ async def _prompt_logprobs_first(events: AsyncIterator[tuple[int, Delta]]) -> As
 
 
 async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str | list[int]],
-                  sampling: dict) -> AsyncIterator[tuple[int, Delta]]:
-    """(prompt index, delta) of every prompt's request, as they arrive. Closing this iterator cancels every
-    request still running."""
+                  sampling: dict, request_id: str) -> AsyncIterator[tuple[int, Delta]]:
+    """(prompt index, delta) of every prompt's request, as they arrive (Triton request ids ``request_id``, or
+    ``<request_id>-<i>`` for prompt i of several). Closing this iterator cancels every request still running."""
     if len(prompts) == 1:
-        async for delta in triton.generate(name, version, prompts[0], sampling):
+        async for delta in triton.generate(name, version, prompts[0], sampling, request_id):
             yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, prompt: str) -> None:
         try:
-            async for delta in triton.generate(name, version, prompt, sampling):
+            async for delta in triton.generate(name, version, prompt, sampling, f"{request_id}-{i}"):
                 await queue.put((i, delta, None))
         except Exception as exc:
             await queue.put((i, None, exc))
@@ -337,6 +280,7 @@ class _View:
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
     prompt_ids: list | None = None  # per prompt (token ids, first token's text), where echoed logprobs need them
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field is answered
+    continuous_usage: bool = False  # streaming: usage so far in every chunk
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_input_tokens: dict[int, int] = field(default_factory=dict)
@@ -480,6 +424,8 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
         item = first
         while item is not None:
             index, choice, text, logprobs = view.add(*item)
+            if view.continuous_usage:
+                usage = {"usage": view.usage()}
             if view.chat:
                 for entry in _chat_chunks(index, choice, text, logprobs):
                     yield _event({**view.header(chunk=True), "choices": [entry], **usage})

@@ -119,7 +119,8 @@ def check_completion_count(num_prompts: int, n: int | None, limits: Limits) -> N
                                f"(--max-prompts-per-request)", "invalid_value", "prompt")
 
 
-async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_len: int) -> list[list[int]]:
+async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_len: int,
+                           add_special_tokens: bool = True) -> list[list[int]]:
     """The token ids of each prompt (token-id prompts as they are), computed on a worker thread; each text
     prompt is first held to the bytes that could fit ``max_model_len`` tokens (``backend.prompt_limits``), as
     the engine does before tokenizing.
@@ -135,7 +136,8 @@ async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_
                     check_prompt_bytes(prompt, limit, max_model_len)
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), "invalid_value", "prompt") from None
-        return [tokenizer.encode(prompt) if isinstance(prompt, str) else prompt for prompt in prompts]
+        return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else prompt
+                for prompt in prompts]
 
     return await asyncio.to_thread(encode)
 

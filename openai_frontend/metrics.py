@@ -144,8 +144,9 @@ def install(app: FastAPI, triton: TritonLLM, triton_metrics_url: str | None) -> 
     metrics = FrontendMetrics(triton_metrics_url)
     generate = triton.generate
 
-    def measured(model: str, version: str, prompt: str, sampling: dict) -> AsyncIterator[Delta]:
-        return metrics.measure(model, generate(model, version, prompt, sampling))
+    def measured(model: str, version: str, prompt: str | list[int], sampling: dict,
+                 request_id: str | None = None) -> AsyncIterator[Delta]:
+        return metrics.measure(model, generate(model, version, prompt, sampling, request_id))
 
     triton.generate = measured
     router = APIRouter()

@@ -46,8 +46,7 @@ class _Sampling(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Accepted where they ask for nothing.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     # vLLM's sampling extras (OpenAI SDK: extra_body).
     top_k: int | None = None
     min_p: float | None = None
@@ -58,19 +57,23 @@ class _Sampling(BaseModel):
     bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top-N at its position
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int | None = None  # lower runs first (vLLM's priority scheduling)
+    request_id: str | None = None  # the answer's id and Triton's request id (or the X-Request-Id header)
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema (openai_frontend.structured)
 
     def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """The model's ``sampling_parameters``: the fields that were sent (``max_tokens`` None = up to the
         context length)."""
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", "unsupported_parameter", "logit_bias")
         values = {"max_tokens": max_tokens, "logprobs": logprobs,
                   "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
         for name in ("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                      "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
-                     "skip_special_tokens", "prompt_logprobs"):
+                     "skip_special_tokens", "prompt_logprobs", "logit_bias", "allowed_token_ids",
+                     "include_stop_str_in_output", "truncate_prompt_tokens", "priority"):
             values[name] = getattr(self, name)
         values["structured_outputs"] = structured_outputs(self.response_format, self.structured_outputs)
         return {k: v for k, v in values.items() if v is not None or k == "max_tokens"}
@@ -83,6 +86,11 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats``: usage so far in every chunk (with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Sampling):
@@ -131,6 +139,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: a Jinja template for this request instead of the model's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
     modalities: list[Literal["text"]] | None = None
 
     def check(self) -> None:
@@ -138,6 +149,9 @@ class ChatCompletionRequest(_Sampling):
             raise OpenAIError(400, "top_logprobs requires logprobs true", "invalid_value", "top_logprobs")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message needs add_generation_prompt false", "invalid_value",
+                              "continue_final_message")
         self.check_prompt_logprobs()
 
     def messages_for_template(self) -> list[dict]:

@@ -94,19 +94,20 @@ class TritonLLM:
                 raise OpenAIError(503, f"Triton is unreachable: {exc.message()}", "service_unavailable") from None
         return found
 
-    async def generate(self, model: str, version: str, prompt: str | list[int],
-                       sampling: dict) -> AsyncIterator[Delta]:
+    async def generate(self, model: str, version: str, prompt: str | list[int], sampling: dict,
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
         """Streams the deltas of one request (every completion of an ``n`` > 1 request, told apart by index).
 
         Args:
             prompt: text (the ``text_input`` input) or token ids (``input_ids``).
+            request_id: Triton's request id (a random one when None).
             sampling: the model's ``sampling_parameters`` (vLLM's names: ``max_tokens``, ``stop``, ...).
 
         Raises:
             OpenAIError: the model or Triton rejected or failed the request (status from the message).
         """
         done = asyncio.Event()
-        request = {"model_name": model, "model_version": version, "request_id": uuid.uuid4().hex,
+        request = {"model_name": model, "model_version": version, "request_id": request_id or uuid.uuid4().hex,
                    "inputs": [_prompt_input(prompt), _bool_input("stream", True),
                               _bytes_input("sampling_parameters", json.dumps(sampling))]}
 

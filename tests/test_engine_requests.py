@@ -320,3 +320,40 @@ def test_stream_interval_sends_the_first_token_then_every_n_and_loses_nothing(en
 def test_stream_interval_must_be_positive():
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(stream_interval=0)
+
+
+def _greedy(engine, prompt, request_id, **params):
+    sink = engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, **params),
+                              request_id=request_id)
+    return run_to_completion(engine, {request_id: sink})[request_id]
+
+
+def test_logit_bias_and_allowed_token_ids_steer_every_token(engine):
+    base = tokens(_greedy(engine, [11, 12, 13], "base", max_tokens=6))
+    forced = tokens(_greedy(engine, [11, 12, 13], "forced", max_tokens=6, logit_bias={"777": 100}))
+    assert forced == [777] * 6
+    banned = tokens(_greedy(engine, [11, 12, 13], "banned", max_tokens=6, logit_bias={base[0]: -100}))
+    assert banned[0] != base[0]
+    allowed = tokens(_greedy(engine, [11, 12, 13], "allowed", max_tokens=8, allowed_token_ids=[5, 6]))
+    assert set(allowed) <= {5, 6} and len(allowed) == 8
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine):
+    full = text(_greedy(engine, [7, 8, 9], "full", max_tokens=40))
+    stop = full[10:16]
+    kept = _greedy(engine, [7, 8, 9], "kept", max_tokens=40, stop=[stop], include_stop_str_in_output=True)
+    assert text(kept) == full[: full.index(stop) + len(stop)] and kept[-1].finish_reason == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(engine):
+    cut = _greedy(engine, list(range(20, 60)), "cut", max_tokens=5, truncate_prompt_tokens=8)
+    assert cut[-1].num_prompt_tokens == 8
+    assert tokens(cut) == tokens(_greedy(engine, list(range(52, 60)), "short", max_tokens=5))
+
+
+@pytest.mark.parametrize("params", [dict(logit_bias={"1000000": 1}), dict(allowed_token_ids=[10**7]),
+                                    dict(logit_bias={"5": 101}), dict(logit_bias={"x": 1}),
+                                    dict(allowed_token_ids=[])])
+def test_token_id_parameters_outside_their_range_are_refused(engine, params):
+    with pytest.raises(ValueError, match="logit_bias|allowed_token_ids"):
+        engine.add_request([1, 2], SamplingParams(**params))

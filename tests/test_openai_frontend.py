@@ -291,12 +291,66 @@ def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_it(frontend,
 
 
 def test_chat_template_override_replaces_the_tokenizers(tokenizer):
-    from openai_frontend.app import _render_chat
+    from openai_frontend.chat_template import render_chat
     from openai_frontend.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": [
         {"type": "text", "text": "Name three "}, {"type": "text", "text": "primary colors."}]}])
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
-    assert _render_chat(tokenizer, body, template) == "<user>Name three primary colors.<assistant>"
-    assert _render_chat(tokenizer, body, None) == tokenizer.apply_chat_template(
+    assert render_chat(tokenizer, body, template) == "<user>Name three primary colors.<assistant>"
+    assert render_chat(tokenizer, body, None) == tokenizer.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@pytest.mark.server
+def test_tokenize_detokenize_and_render_give_the_tokens_the_model_sees(frontend, client, tokenizer):
+    ids = requests.post(f"{frontend}/tokenize", json={"model": "llm", "prompt": PROMPT}, timeout=60).json()
+    assert ids["tokens"] == tokenizer.encode(PROMPT) and ids["count"] == len(ids["tokens"])
+    assert ids["max_model_len"] > 0
+    back = requests.post(f"{frontend}/detokenize", json={"model": "llm", "tokens": ids["tokens"]}, timeout=60)
+    assert back.json() == {"prompt": PROMPT}
+    bad = requests.post(f"{frontend}/detokenize", json={"model": "llm", "tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    for extra in ({}, {"tools": TOOLS}):  # the prefix-aware router hashes these tokens: they must be the model's
+        body = {"model": FP32, "messages": MESSAGES, **extra}
+        rendered = requests.post(f"{frontend}/v1/chat/completions/render", json=body, timeout=60).json()["token_ids"]
+        tokenized = requests.post(f"{frontend}/tokenize", json=body, timeout=60).json()["tokens"]
+        answer = client.chat.completions.create(model=FP32, messages=MESSAGES, max_tokens=1, **extra)
+        assert rendered == tokenized and answer.usage.prompt_tokens == len(rendered), extra
+    plain = requests.post(f"{frontend}/tokenize", json={"model": FP32, "messages": MESSAGES}, timeout=60).json()
+    assert len(tokenized) > plain["count"] + 20  # the tools are in the prompt
+
+
+@pytest.mark.server
+def test_vllm_surface_model_by_id_request_ids_usage_bias_and_templates(frontend, client, tokenizer):
+    assert client.models.retrieve("llm/1").id == "llm/1"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    nowhere = requests.get(f"{frontend}/v1/nowhere", timeout=60)
+    assert nowhere.status_code == 404 and set(nowhere.json()["error"]) == {"message", "type", "param", "code"}
+    not_json = requests.post(f"{frontend}/v1/completions", data="model=llm", timeout=60,
+                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert not_json.status_code == 400 and "/" not in not_json.json()["error"]["message"].split(":")[-1]
+    assert "Traceback" not in not_json.text and ".py" not in not_json.text
+    out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=2, extra_headers={"X-Request-Id": "abc-1"})
+    assert out.id == "cmpl-abc-1"
+    out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "mine"})
+    assert out.id == "cmpl-mine"
+    chunks = list(client.completions.create(model=FP32, prompt=PROMPT, max_tokens=4, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == [1, 2, 3, 4]
+    forced = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"42": 100})
+    assert forced.choices[0].text == tokenizer.decode([42, 42, 42])
+    templated = client.chat.completions.create(
+        model=FP32, messages=MESSAGES, max_tokens=1, extra_body={
+            "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"})
+    assert templated.usage.prompt_tokens < client.chat.completions.create(
+        model=FP32, messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=FP32, messages=MESSAGES, extra_body={"continue_final_message": True})
