@@ -81,10 +81,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEFAULT_VERSION_POLICY = "version_policy: { latest: { num_versions: 1 } }"  # model_repository/llm/config.pbtxt
+
+
 def copy_repository(target: Path, version_settings: dict[str, dict]) -> Path:
-    """A copy of the project's model repository at ``target`` whose versions' ``engine.json`` are replaced by
-    ``version_settings`` (version -> settings), e.g. ``{"2": {"dtype": "float32"}}``; returns ``target``."""
+    """A copy of the project's model repository at ``target`` serving every version (``version_policy: { all: {} }``
+    instead of the newest only), whose versions' ``engine.json`` are replaced by ``version_settings`` (version ->
+    settings), e.g. ``{"2": {"dtype": "float32"}}``; returns ``target``."""
     shutil.copytree(DEFAULT_MODEL_REPOSITORY, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    config = target / "llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace(DEFAULT_VERSION_POLICY, "version_policy: { all: {} }"))
     for version, settings in version_settings.items():
         (target / "llm" / version / "engine.json").write_text(json.dumps(settings))
     return target
@@ -96,7 +102,7 @@ def single_version_repository(target: Path, settings: dict) -> Path:
     model = target / "llm"
     (model / "1").mkdir(parents=True)
     config = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-    (model / "config.pbtxt").write_text(config.replace("version_policy: { all: {} }", ""))
+    (model / "config.pbtxt").write_text(config.replace(DEFAULT_VERSION_POLICY, ""))
     (model / "1" / "model.py").symlink_to(DEFAULT_MODEL_REPOSITORY / "llm" / "1" / "model.py")
     (model / "1" / "engine.json").write_text(json.dumps(settings))
     return target
