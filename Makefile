@@ -35,7 +35,7 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-slow: install .venv-lmeval/.installed .venv-checkov/.installed
+test-slow: install .venv-lmeval/.installed .venv-checkov/.installed .venv-fuzz/.installed
 	$(BIN)/pip install -q -r requirements-slow.txt
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
@@ -43,6 +43,12 @@ test-slow: install .venv-lmeval/.installed .venv-checkov/.installed
 .venv-lmeval/.installed: requirements-lmeval.txt
 	$(PYTHON) -m venv .venv-lmeval
 	.venv-lmeval/bin/pip install -q -r requirements-lmeval.txt
+	touch $@
+
+# Schemathesis in a venv of its own (it talks to the frontend over HTTP only).
+.venv-fuzz/.installed: requirements-fuzz.txt
+	$(PYTHON) -m venv .venv-fuzz
+	.venv-fuzz/bin/pip install -q -r requirements-fuzz.txt
 	touch $@
 
 # checkov in a venv of its own: it pins packaging < 24, pytest needs >= 24.

@@ -37,6 +37,7 @@ class EngineConfig:
         cpu_threads_bind: pin the torch threads to CPU cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``
             pins when the threads use every CPU the process may run on, ``off`` never, or a CPU list such as
             ``0-3`` (which also sets the thread count). See :mod:`backend.cpu_threads`.
+        max_n: most completions one request may ask for (``n``, parallel sampling); more is refused.
         kv_events_endpoint: publish KV cache events (vLLM's format, ``backend/kv_events.py``) on this ZeroMQ
             PUB address: ``tcp://*:5557`` binds, ``tcp://host:5557`` connects; None (default): no events.
             Needs ``enable_prefix_caching``.
@@ -76,6 +77,7 @@ class EngineConfig:
     model_impl: str = "auto"
     cpu_threads_bind: str = "auto"
     stream_interval: int = 1
+    max_n: int = 16
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -109,7 +111,7 @@ class EngineConfig:
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
-                     "max_num_waiting_tokens", "stream_interval"):
+                     "max_num_waiting_tokens", "stream_interval", "max_n"):
             _require_positive_int(name, getattr(self, name))
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:

@@ -150,6 +150,8 @@ class LLMEngine:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         params = params or SamplingParams()
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be at most {self.config.max_n} (the engine's max_n), got {params.n}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:

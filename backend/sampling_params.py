@@ -26,7 +26,8 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        n: completions for the prompt (parallel sampling: they share the prompt's full KV blocks), 1..16.
+        n: completions for the prompt (parallel sampling: they share the prompt's full KV blocks), >= 1; the
+            engine's ``max_n`` bounds it.
         max_tokens: most output tokens; None allows up to ``max_model_len``.
         min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
         temperature: 0 means greedy, and so does anything below ``GREEDY_TEMPERATURE`` (1e-5, as vLLM),
@@ -96,7 +97,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        _int("n", self.n, low=1, high=16)
+        _int("n", self.n, low=1)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, low=1)
         _int("min_tokens", self.min_tokens, low=0)

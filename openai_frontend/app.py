@@ -145,7 +145,9 @@ def create_app(config: FrontendConfig) -> FastAPI:
         request_id = _request_id(body, request)
         view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
                      prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
-                     prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage)
+                     prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage,
+                     end_token_ids=frozenset(tokenizer.all_special_ids) if body.skip_special_tokens is not False
+                     else frozenset())
         events = _merged(triton, name, version, [prompt], sampling, request_id)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
@@ -281,6 +283,9 @@ class _View:
     prompt_ids: list | None = None  # per prompt (token ids, first token's text), where echoed logprobs need them
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field is answered
     continuous_usage: bool = False  # streaming: usage so far in every chunk
+    # Chat: a special token that ends the reply (end of turn) is not part of the message, so, as at OpenAI, it
+    # has no logprobs entry either.
+    end_token_ids: frozenset[int] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     num_input_tokens: dict[int, int] = field(default_factory=dict)
@@ -297,6 +302,8 @@ class _View:
             self.raw_prompt_logprobs[prompt_index] = delta.prompt_logprobs
         text = "" if self.echo_only else delta.text
         entries = [] if self.echo_only or self.top_n is None else _logprob_entries(delta, self.top_n)
+        if entries and delta.finish_reason and delta.token_ids and delta.token_ids[-1] in self.end_token_ids:
+            entries = entries[:-1]
         if self.echo and not choice.started:
             text = self.prompts[prompt_index] + text
             if self.top_n is not None:

@@ -357,3 +357,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(engine):
 def test_token_id_parameters_outside_their_range_are_refused(engine, params):
     with pytest.raises(ValueError, match="logit_bias|allowed_token_ids"):
         engine.add_request([1, 2], SamplingParams(**params))
+
+
+def test_n_is_bounded_by_the_engines_max_n(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_n=20)
+    sink = engine.add_request([1, 2, 3], SamplingParams(n=20, max_tokens=2, temperature=1.0, seed=0), request_id="20")
+    assert sorted({o.index for o in run_to_completion(engine, {"20": sink})["20"]}) == list(range(20))
+    with pytest.raises(ValueError, match="max_n"):
+        engine.add_request([1, 2, 3], SamplingParams(n=21))

@@ -354,3 +354,13 @@ def test_vllm_surface_model_by_id_request_ids_usage_bias_and_templates(frontend,
         model=FP32, messages=MESSAGES, max_tokens=1).usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model=FP32, messages=MESSAGES, extra_body={"continue_final_message": True})
+
+
+@pytest.mark.server
+def test_chat_logprobs_leave_out_the_end_of_turn_token(client):
+    out = client.chat.completions.create(model=FP32, messages=[{"role": "user", "content": "Say hello."}],
+                                         max_tokens=200, temperature=0, logprobs=True)
+    assert out.choices[0].finish_reason == "stop"
+    content = out.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    assert len(content) == out.usage.completion_tokens - 1  # the end-of-turn token is counted, not listed
