@@ -49,6 +49,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_FRACTION = 0.2  # of available memory, when the KV cache size is not given
 CPU_KV_CAP_BYTES = 4 << 30
 GPU_KV_FRACTION = 0.8  # of free device memory after loading the model
+MAX_CACHE_SALT_CHARS = 256
 MAX_CONSECUTIVE_FAILED_STEPS = 3  # then the engine is dead (a transient fault fails fewer steps)
 
 
@@ -119,7 +120,7 @@ class LLMEngine:
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, sink: queue.Queue | None = None, priority: int = 0,
-                    timeout: float | None = None) -> queue.Queue:
+                    timeout: float | None = None, cache_salt: str | None = None) -> queue.Queue:
         """Validates and queues a request.
 
         Args:
@@ -129,6 +130,9 @@ class LLMEngine:
             priority: lower values are scheduled first and preempted last (vLLM's priority policy); 0 default.
             timeout: seconds from now; then the request ends at the next step with finish_reason ``timeout``
                 and the output so far, waiting or running. None: no deadline.
+            cache_salt: prefix-cache blocks are shared only among requests with the same salt (vLLM's
+                ``cache_salt``: tenants that must not learn of each other's prompts through cache timing);
+                at most ``MAX_CACHE_SALT_CHARS`` characters.
 
         Returns:
             The sink.
@@ -150,6 +154,8 @@ class LLMEngine:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if params.n > self.config.max_n:
             raise ValueError(f"n must be at most {self.config.max_n} (the engine's max_n), got {params.n}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
@@ -174,7 +180,8 @@ class LLMEngine:
         parent = ParentRequest(request_id, params, sink)
         requests = parent.make_requests(prompt_ids, self.eos_token_ids, max_tokens,
                                         bad_words_token_ids(self.tokenizer, params.bad_words),
-                                        self.config.enable_prefix_caching, priority, timeout, make_grammar)
+                                        self.config.enable_prefix_caching, priority, timeout, make_grammar,
+                                        cache_salt)
         self.output_processor.add_request(parent, requests)  # raises on a duplicate id
         try:
             self.engine_core.add_requests(requests)

@@ -62,6 +62,7 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = None
     priority: int | None = None  # lower runs first (vLLM's priority scheduling)
     request_id: str | None = None  # the answer's id and Triton's request id (or the X-Request-Id header)
+    cache_salt: str | None = None  # prefix-cache blocks shared only among requests with the same salt
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema (openai_frontend.structured)
 
@@ -73,7 +74,7 @@ class _Sampling(BaseModel):
         for name in ("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                      "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
                      "skip_special_tokens", "prompt_logprobs", "logit_bias", "allowed_token_ids",
-                     "include_stop_str_in_output", "truncate_prompt_tokens", "priority"):
+                     "include_stop_str_in_output", "truncate_prompt_tokens", "priority", "cache_salt"):
             values[name] = getattr(self, name)
         values["structured_outputs"] = structured_outputs(self.response_format, self.structured_outputs)
         return {k: v for k, v in values.items() if v is not None or k == "max_tokens"}

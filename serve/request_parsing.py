@@ -71,6 +71,7 @@ class ParsedRequest:
     priority: int = 0
     timeout_ms: int | None = None
     returns: frozenset[str] = frozenset()  # the RETURN_INPUTS set true
+    cache_salt: str | None = None  # vLLM's: prefix-cache sharing only among requests with the same salt
 
 
 def check_request_id(request_id: str) -> str:
@@ -112,7 +113,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
     for key, value in parameters.items():
-        if key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES:
+        if key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES or key == "cache_salt":
             values[key] = value
     if "sampling_parameters" in inputs:
         values.update(_vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"]))))
@@ -137,6 +138,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     for name in ("stop", "stop_words", "bad_words"):
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
+    cache_salt = values.pop("cache_salt", None)
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {_clip(cache_salt)}")
     priority = values.pop("priority", None)
     timeout_ms = values.pop("timeout_ms", None)
     for name, value in (("priority", priority), ("timeout_ms", timeout_ms)):
@@ -163,7 +167,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
                 message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None
-    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns)
+    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt)
 
 
 def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:

@@ -365,3 +365,20 @@ def test_n_is_bounded_by_the_engines_max_n(make_engine, tiny_model_dir):
     assert sorted({o.index for o in run_to_completion(engine, {"20": sink})["20"]}) == list(range(20))
     with pytest.raises(ValueError, match="max_n"):
         engine.add_request([1, 2, 3], SamplingParams(n=21))
+
+
+def test_cache_salt_limits_prefix_sharing_to_requests_with_the_same_salt(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, block_size=16)
+    prompt = list(range(400, 450))
+
+    def cached(request_id, salt):
+        sink = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=request_id,
+                                  cache_salt=salt)
+        return run_to_completion(engine, {request_id: sink})[request_id][-1].num_cached_tokens
+
+    assert cached("a1", "tenant-a") == 0
+    assert cached("b1", "tenant-b") == 0  # same prompt, another tenant: nothing shared
+    assert cached("none", None) == 0
+    assert cached("a2", "tenant-a") == 48
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request(prompt, SamplingParams(), cache_salt="")

@@ -160,3 +160,14 @@ def test_vllm_backend_return_switches_and_openai_passthrough_fields():
     assert parse_request(inputs(sampling_parameters=json.dumps({"logprobs": False})), {}).params.logprobs is None
     with pytest.raises(ValueError, match="best_of must be 1 or n"):
         parse_request(inputs(sampling_parameters=json.dumps({"best_of": 3})), {})
+
+
+def test_cache_salt_and_prompt_token_ids_are_read():
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    parsed = parse_request({"input_ids": ids, "sampling_parameters": np.array([b'{"cache_salt": "t1"}'],
+                                                                               dtype=np.object_)}, {})
+    assert parsed.prompt == [5, 6, 7] and parsed.cache_salt == "t1"
+    with pytest.raises(ValueError, match="exactly one"):
+        parse_request({**inputs("hi"), "input_ids": ids}, {})
+    with pytest.raises(ValueError, match="exactly one"):
+        parse_request({}, {})
