@@ -157,7 +157,7 @@ def check_all(engine, reference, prompts, max_tokens, label):
 
 @pytest.fixture(scope="session")
 def frontend(triton_server):
-    """The OpenAI frontend, served in-process by uvicorn in front of the session's tritonserver: its base URL
+    """The OpenAI frontend, served in-process by uvicorn in front of the test run's tritonserver: its base URL
     (``http://127.0.0.1:<port>``)."""
     import threading
     import time

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_openai_frontend import client, frontend  # noqa: F401  (the module-scoped fixtures)
+from test_openai_frontend import client  # noqa: F401  (a module-scoped fixture; frontend comes from conftest)
 
 pytestmark = pytest.mark.server
 
