@@ -1,0 +1,176 @@
+"""``POST /v1/responses`` (openai_frontend/responses.py) with the official ``openai`` SDK, against the test run's
+real tritonserver and SmolLM2; the refusals, checked before anything is generated, on the app alone.
+
+Answers compared across calls address ``llm/1``, which runs fp32 (greedy output independent of batching)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import requests
+from fastapi.testclient import TestClient
+
+from openai_frontend.app import FrontendConfig, create_app
+from openai_frontend.responses import ResponsesRequest
+
+FP32 = "llm/1"
+ASK = "Name three primary colors."
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                          "properties": {"city": {"type": "string", "maxLength": 30},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.server
+def test_text_response_is_the_chat_answer_with_usage_and_echoed_fields(client):
+    response = client.responses.create(model=FP32, instructions="Answer briefly.", input=ASK, max_output_tokens=12,
+                                       temperature=0, metadata={"case": "text"})
+    chat = client.chat.completions.create(model=FP32, max_completion_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ASK}])
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+    message = response.output[0]
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert response.status == "completed"
+    assert response.metadata == {"case": "text"} and response.store is False
+    assert response.instructions == "Answer briefly." and response.max_output_tokens == 12
+    # input as message items: the same prompt, so the same greedy answer
+    items = client.responses.create(model=FP32, max_output_tokens=12, temperature=0, input=[
+        {"role": "developer", "content": "Answer briefly."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}])
+    assert items.output_text == response.output_text
+
+
+@pytest.mark.server
+def test_stream_events_build_the_final_response_the_sdk_returns(client, frontend):
+    kwargs = dict(model=FP32, input="Say hello.", max_output_tokens=120, temperature=0)
+    deltas, types = [], []
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            types.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == "".join(deltas) and len(deltas) > 1
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    whole = client.responses.create(**kwargs)
+    assert whole.output_text == final.output_text and whole.usage.output_tokens == final.usage.output_tokens
+
+    # On the wire: one event per SSE message, sequence numbers 0, 1, 2, ...; cut short, it ends incomplete.
+    body = {"model": FP32, "input": "Say hello.", "max_output_tokens": 3, "temperature": 0, "stream": True}
+    with requests.post(f"{frontend}/v1/responses", json=body, stream=True, timeout=60) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: "):]) for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"]["output_tokens"] == 3
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+@pytest.mark.server
+def test_forced_function_call_round_trip(client):
+    ask = {"role": "user", "content": "What is the weather in Paris right now?"}
+    forced = dict(model=FP32, input=[ask], tools=[WEATHER], temperature=0, max_output_tokens=60,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    first = client.responses.create(**forced)
+    [call] = first.output
+    assert first.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER["parameters"])
+
+    arguments_streamed = []
+    with client.responses.stream(**forced) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                arguments_streamed.append(event.delta)
+        streamed = stream.get_final_response()
+    assert json.loads("".join(arguments_streamed)) == arguments
+    assert streamed.output[0].type == "function_call" and json.loads(streamed.output[0].arguments) == arguments
+
+    # The next turn: the call (as the SDK returned it) and its output go back in input.
+    second = client.responses.create(model=FP32, tools=[WEATHER], tool_choice="none", temperature=0,
+                                     max_output_tokens=30, input=[
+                                         ask, call, {"type": "function_call_output", "call_id": call.call_id,
+                                                     "output": '{"temperature": 21, "unit": "celsius"}'}])
+    assert second.output[0].type == "message" and second.output_text
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result are in the prompt
+
+
+@pytest.mark.server
+def test_json_schema_text_format_validates(client):
+    response = client.responses.create(
+        model="llm", input="Describe a person as JSON.", temperature=1.0, max_output_tokens=100,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.text.format.type == "json_schema"
+
+
+def test_input_items_become_chat_messages_and_tools_chat_tools():
+    body = ResponsesRequest(model="llm", instructions="Be brief.", tools=[WEATHER], input=[
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}', "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5 C"}])
+    body.check()
+    chat = body.chat_request("abc")
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5 C"}]
+    assert chat.tools == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                                      "parameters")}}]
+    assert chat.request_id == "abc" and chat.response_format is None
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"store": True}, "store", "keeps no responses"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"reasoning": {"effort": "low"}}, "reasoning", "not supported"),
+    ({"background": True}, "background", "not supported"),
+    ({"truncation": "auto"}, "truncation", "not supported"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+    ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+    ({"seed": 1}, "seed", "Unrecognized request argument"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity", "not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+    ({"tools": [{**WEATHER, "strict": True}]}, "tools[0].strict", "only enforced"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice", "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type", "input_text"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "not supported"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user, system, developer or assistant"),
+    ({"input": []}, "input", "must not be empty"),
+])
+def test_unsupported_fields_are_a_400_naming_the_field(extra, param, words):
+    app = create_app(FrontendConfig(triton_url="127.0.0.1:1"))  # refused before Triton is asked anything
+    with TestClient(app) as http:
+        reply = http.post("/v1/responses", json={"model": "llm", "input": "hi", **extra})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["param"] == param and words in error["message"]
