@@ -109,12 +109,21 @@ def test_forced_function_call_round_trip(client):
     assert streamed.output[0].type == "function_call" and json.loads(streamed.output[0].arguments) == arguments
 
     # The next turn: the call (as the SDK returned it) and its output go back in input.
+    result = '{"temperature": 21, "unit": "celsius"}'
     second = client.responses.create(model=FP32, tools=[WEATHER], tool_choice="none", temperature=0,
-                                     max_output_tokens=30, input=[
+                                     max_output_tokens=20, input=[
                                          ask, call, {"type": "function_call_output", "call_id": call.call_id,
-                                                     "output": '{"temperature": 21, "unit": "celsius"}'}])
+                                                     "output": result}])
     assert second.output[0].type == "message" and second.output_text
-    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result are in the prompt
+    chat = client.chat.completions.create(
+        model=FP32, tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                                     "parameters")}}],
+        tool_choice="none", temperature=0, max_completion_tokens=20, messages=[
+            ask, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": result}])
+    assert second.output_text == chat.choices[0].message.content  # the same prompt: the call and its result
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
 
 
 @pytest.mark.server
