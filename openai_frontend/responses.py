@@ -174,7 +174,8 @@ class ResponsesRequest(BaseModel):
         choice = self.tool_choice
         if not isinstance(choice, dict):
             return choice
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or set(choice) - {"type", "name"}:
+        named = choice.get("type") == "function" and isinstance(choice.get("name"), str)
+        if not named or set(choice) - {"type", "name"}:
             raise _bad('tool_choice must be none, auto, required or {"type": "function", "name": ...}',
                        "tool_choice", "unsupported_parameter")
         return {"type": "function", "function": {"name": choice["name"]}}
@@ -217,7 +218,7 @@ def _text(content, where: str) -> str:
     return "".join(parts)
 
 
-class _Response:
+class ResponseBuilder:
     """The ``response`` object of one request as its output items arrive, and the stream's events."""
 
     def __init__(self, body: ResponsesRequest, request_id: str) -> None:
@@ -232,6 +233,7 @@ class _Response:
 
     # -- the object -------------------------------------------------------------------------------------
     def status(self) -> str:
+        """``incomplete`` when ``max_output_tokens`` cut the reply, else ``completed``."""
         return "incomplete" if self.finish_reason == "length" else "completed"
 
     def object(self, status: str | None = None, error: dict | None = None) -> dict:
@@ -290,9 +292,9 @@ class _Response:
         """The Responses events of a chat stream (``chunks``: its server-sent events). An error after the
         stream began is an ``error`` event, then ``response.failed``. Closing this closes ``chunks`` (and with
         them the Triton request)."""
-        yield self.event("response.created", response=self.object("in_progress"))
-        yield self.event("response.in_progress", response=self.object("in_progress"))
         try:
+            yield self.event("response.created", response=self.object("in_progress"))
+            yield self.event("response.in_progress", response=self.object("in_progress"))
             async for chunk in chunks:
                 data = chunk.removeprefix("data: ").strip()
                 if data == "[DONE]":
@@ -387,7 +389,7 @@ def responses_routes(chat_completions: Callable[[ChatCompletionRequest, Request]
         body.check()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         answer = await chat_completions(body.chat_request(request_id), request)
-        response = _Response(body, request_id)
+        response = ResponseBuilder(body, request_id)
         if isinstance(answer, StreamingResponse):  # the chat route's own: disconnects still cancel the request
             answer.body_iterator = response.events(answer.body_iterator)
             return answer

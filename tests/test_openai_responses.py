@@ -5,6 +5,7 @@ Answers compared across calls address ``llm/1``, which runs fp32 (greedy output 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -14,7 +15,9 @@ import requests
 from fastapi.testclient import TestClient
 
 from openai_frontend.app import FrontendConfig, create_app
-from openai_frontend.responses import ResponsesRequest
+from openai_frontend.responses import ResponseBuilder, ResponsesRequest
+from test_openai_frontend import wait_idle
+from triton_server import settled
 
 FP32 = "llm/1"
 ASK = "Name three primary colors."
@@ -88,6 +91,20 @@ def test_stream_events_build_the_final_response_the_sdk_returns(client, frontend
 
 
 @pytest.mark.server
+def test_client_disconnect_mid_stream_cancels_the_triton_request(frontend, triton_server):
+    aborts = settled(lambda: triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2"))
+    body = {"model": "llm", "input": "Write a very long story about a dragon.", "max_output_tokens": 1000,
+            "temperature": 0, "stream": True}
+    with requests.post(f"{frontend}/v1/responses", json=body, stream=True, timeout=60) as reply:
+        for i, line in enumerate(reply.iter_lines(decode_unicode=True)):  # leaving the loop disconnects
+            if i >= 12 and triton_server.metric("llm_kv_cache_blocks_used", version="2") > 0:
+                break
+        assert "response.output_text.delta" in line, "the story ended before the disconnect"
+    assert wait_idle(triton_server) < 2.0
+    assert triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2") == aborts + 1
+
+
+@pytest.mark.server
 def test_forced_function_call_round_trip(client):
     ask = {"role": "user", "content": "What is the weather in Paris right now?"}
     forced = dict(model=FP32, input=[ask], tools=[WEATHER], temperature=0, max_output_tokens=60,
@@ -120,7 +137,8 @@ def test_forced_function_call_round_trip(client):
                                                                                      "parameters")}}],
         tool_choice="none", temperature=0, max_completion_tokens=20, messages=[
             ask, {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+                {"id": call.call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": result}])
     assert second.output_text == chat.choices[0].message.content  # the same prompt: the call and its result
     assert second.usage.input_tokens == chat.usage.prompt_tokens
@@ -183,3 +201,51 @@ def test_unsupported_fields_are_a_400_naming_the_field(extra, param, words):
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param and words in error["message"]
+
+
+def test_chat_chunks_become_ordered_items_and_an_error_fails_the_response():
+    """The translation of a chat stream (chunks as ``/v1/chat/completions`` sends them): text, then a tool
+    call, closes the message before the call's item opens; an error after the first event ends in
+    ``response.failed``."""
+    def chunk(payload) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                         "arguments": '{"city": "Oslo"}'}}
+    usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+
+    def delta(finish_reason=None, **fields) -> str:
+        return chunk({"choices": [{"index": 0, "delta": fields, "finish_reason": finish_reason}]})
+
+    chunks = [delta(role="assistant", content="Let me"), delta(content=" look."),
+              delta("tool_calls", tool_calls=[call]), chunk({"choices": [], "usage": usage}), "data: [DONE]\n\n"]
+
+    async def run(pieces) -> list[dict]:
+        async def source():
+            for piece in pieces:
+                yield piece
+        body = ResponsesRequest(model="llm", input="Weather?", tools=[WEATHER])
+        events = ResponseBuilder(body, "r1").events(source())
+        return [json.loads(text.split("data: ", 1)[1]) async for text in events]
+
+    events = asyncio.run(run(chunks))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert final["id"] == "resp_r1" and final["status"] == "completed" and final["usage"]["total_tokens"] == 12
+    message, function_call = final["output"]
+    assert message["content"][0]["text"] == "Let me look." and message["status"] == "completed"
+    assert function_call["call_id"] == "call_1" and function_call["arguments"] == '{"city": "Oslo"}'
+    assert events[9]["output_index"] == 1 and events[9]["item"]["arguments"] == ""
+
+    error = {"error": {"message": "engine is dead", "type": "service_unavailable", "param": None,
+                       "code": "service_unavailable"}}
+    events = asyncio.run(run(chunks[:1] + [chunk(error), "data: [DONE]\n\n"]))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["message"] == "engine is dead" and events[-1]["response"]["status"] == "failed"
