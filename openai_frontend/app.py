@@ -29,6 +29,7 @@ from openai_frontend.errors import OpenAIError
 from openai_frontend.limits import Limits, check_completion_count, install_limits, max_model_len, render_token_ids
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.responses import responses_routes
 from openai_frontend.token_routes import token_routes
 from openai_frontend.tool_calls import ToolCallParser, ToolChoice
 from openai_frontend.triton_stream import Delta, TritonLLM
@@ -175,6 +176,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         return {"token_ids": ids}
 
     app.include_router(token_routes(triton, config))
+    app.include_router(responses_routes(chat_completions))  # POST /v1/responses, over the chat route
     return app
 
 
