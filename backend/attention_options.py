@@ -152,10 +152,10 @@ def paged_variant_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     """The torch path for a layer with a window, soft-cap or sinks: each request's blocks gathered, then SDPA
     under a windowed causal mask (window only) or :func:`eager_attention` (soft-cap or sinks).
 
-    Used instead of the C++ decode kernel for such layers (it implements plain causal attention only).
+    Used by the ``torch`` and ``cpu`` backends for such layers (the C++ kernels do plain causal attention only).
 
     Args:
-        q: ``[num_tokens, num_heads, head_dim]``, decodes first, as in ``backend.attention.TorchAttentionMetadata``.
+        q: ``[num_tokens, num_heads, head_dim]``, decodes first (the metadata of ``backend.attention.torch_sdpa``).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, this step's K/V written.
         meta: the step's ``TorchAttentionMetadata`` (decode block tables and lengths, prefill spans).
 

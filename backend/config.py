@@ -24,9 +24,12 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
         max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit, capped at 8192.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
-        use_kernels: attention through the kernels of ``kernels/``: on CUDA the Triton kernels, on CPU the C++
-            decode kernel (``kernels/cpu``, compiled on first use); None uses them wherever they are available,
-            False never (gather + SDPA), True forces the Triton kernels (under ``TRITON_INTERPRET=1`` on CPU).
+        attention_backend: ``auto`` (default) lets the selector pick at load (:mod:`backend.attention.selector`):
+            ``triton`` on CUDA, ``cpu`` on CPU where ``kernels/cpu`` builds, else ``torch``. A name forces that
+            backend, or the engine refuses to start with the reason it cannot run: ``torch`` (gather + SDPA and
+            torch operations, any device), ``cpu`` (the C++ kernels of ``kernels/cpu`` for attention and the
+            compact decoder's layers), ``triton`` (the Triton kernels of ``kernels/``; on CPU only under
+            ``TRITON_INTERPRET=1``, for tests). vLLM's ``VLLM_ATTENTION_BACKEND``.
         enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before) match.
         max_num_waiting_requests: most requests (completions) waiting to be scheduled, preempted ones
             included; past it ``add_request`` raises :class:`~backend.errors.EngineOverloadedError` (vLLM's
@@ -52,8 +55,8 @@ class EngineConfig:
             its first token always goes out at once. 1 (default) sends every token. Larger values trade
             smoothness for fewer responses, each an IPC round trip through Triton (vLLM's ``--stream-interval``).
         cuda_graphs: ``off`` (default), ``on``: pure-decode steps replay CUDA graphs captured at start for batch
-            sizes up to ``min(max_num_seqs, 256)`` (:mod:`backend.cuda_graphs`; needs CUDA, the Triton kernels and
-            the compact decoder), or ``emulate``: the same static buffers and padding without capture, on any
+            sizes up to ``min(max_num_seqs, 256)`` (:mod:`backend.cuda_graphs`; needs CUDA, the ``triton`` attention
+            backend and the compact decoder), or ``emulate``: the same static buffers and padding without capture, on any
             device (for tests on machines without a GPU). Off by default until measured on a GPU.
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
@@ -70,7 +73,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None
-    use_kernels: bool | None = None
+    attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_num_waiting_requests: int = 1024
     max_num_waiting_tokens: int = 1 << 20
@@ -105,9 +108,12 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be off, on or emulate, got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs on needs a CUDA device, got device {self.device!r}")
-        if self.cuda_graphs != "off" and (self.use_kernels is False or self.model_impl != "auto"):
-            raise ValueError("cuda_graphs needs the Triton kernels and the compact decoder "
-                             "(use_kernels not False, model_impl auto)")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
+        if self.cuda_graphs != "off" and (self.attention_backend not in ("auto", "triton")
+                                          or self.model_impl != "auto"):
+            raise ValueError("cuda_graphs needs the triton attention backend and the compact decoder "
+                             "(attention_backend auto or triton, model_impl auto)")
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",

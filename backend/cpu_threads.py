@@ -107,13 +107,13 @@ class ThreadBinder:
             return
         if threading.current_thread() is threading.main_thread():
             return
-        import kernels.cpu
+        from backend import cpu_ops
 
         self._bound.add(threading.get_ident())
         try:
             if torch.get_num_threads() != len(self.cpus):
                 torch.set_num_threads(len(self.cpus))
-            kernels.cpu.bind_threads(self.cpus)
+            cpu_ops.bind_threads(self.cpus)
             log.info("torch threads pinned to CPUs %s", self.cpus)
         except RuntimeError as exc:  # no compiler, or a container that forbids it: run unpinned
             log.warning("torch threads not pinned: %s", exc)

@@ -9,7 +9,7 @@ length 0 (the decode kernel writes zeros). The sizes follow vLLM's and nano-vllm
 Capture goes from the largest batch down, all graphs sharing one memory pool (vLLM's ``CUDAGraphRunner``,
 nano-vllm's ``capture_cudagraph``).
 
-Only the compact decoder with the Triton kernels (``KernelAttentionMetadata``) is captured; steps with prompt
+Only the compact decoder on the ``triton`` attention backend is captured; steps with prompt
 rows, or more decodes than the largest graph, run eagerly. ``emulate`` replaces capture and replay with an eager
 call on the same static buffers, on any device: the padding and buffer bookkeeping is then testable on a machine
 without a GPU (under ``TRITON_INTERPRET=1``).
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from backend.attention import KernelAttentionMetadata
+from backend.attention.triton import TritonMetadataBuilder
 
 log = logging.getLogger(__name__)
 MAX_CAPTURED_BATCH = 256
@@ -41,7 +41,7 @@ class DecodeGraphs:
 
     Args:
         decoder: ``backend.models`` decoder: ``(input_ids, positions, meta, logits_rows) -> logits``.
-        kv_caches: the model runner's per-layer ``(key_cache, value_cache)``.
+        builder: the model runner's ``triton`` metadata builder (it holds the per-layer KV pools).
         max_num_seqs / max_model_len / block_size: the engine's; fix the buffers' sizes.
         emulate: no capture; :meth:`run` calls the decoder eagerly on the static buffers.
 
@@ -49,12 +49,12 @@ class DecodeGraphs:
         RuntimeError: capture requested (not emulated) where CUDA is not available.
     """
 
-    def __init__(self, decoder, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 emulate: bool = False) -> None:
-        device = kv_caches[0][0].device
+    def __init__(self, decoder, builder: TritonMetadataBuilder, max_num_seqs: int, max_model_len: int,
+                 block_size: int, emulate: bool = False) -> None:
+        device = builder.kv_caches[0][0].device
         if not emulate and device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device; the KV cache is on {device}")
-        self.decoder, self.kv_caches, self.emulate = decoder, kv_caches, emulate
+        self.decoder, self.builder, self.emulate = decoder, builder, emulate
         self.sizes = capture_sizes(max_num_seqs)
         top, width = self.sizes[-1], -(-max_model_len // block_size)
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
@@ -108,10 +108,7 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = KernelAttentionMetadata(
-            kv_caches=self.kv_caches, slot_mapping=self.slot_mapping[:size], num_decodes=size,
-            decode_seq_lens=self.seq_lens[:size], decode_block_tables=self.block_tables[:size],
-            cu_seqlens_q=self.seq_lens.new_zeros(1), seq_lens=self.seq_lens[:0], block_tables=self.block_tables[:0])
+        meta = self.builder.decode(self.slot_mapping[:size], self.seq_lens[:size], self.block_tables[:size])
         return self.decoder(self.input_ids[:size], self.positions[:size], meta, self.logits_rows[:size])
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.attention import AttentionBackend
 from backend.config import EngineConfig
 from backend.cpu_threads import plan_binding
 from backend.errors import EngineOverloadedError
@@ -65,22 +66,22 @@ class EngineCore:
     everything else from the one thread that steps.
     """
 
-    def __init__(self, config: EngineConfig, model, max_model_len: int, num_blocks: int, use_kernels: bool,
-                 cpu_kernel: bool, sliding_window: int | None = None) -> None:
-        """``sliding_window``: the window every layer of the model attends through, if any (the KV cache
-        manager then frees the blocks behind it)."""
+    def __init__(self, config: EngineConfig, model, max_model_len: int, num_blocks: int,
+                 attn_backend: type[AttentionBackend] | None, sliding_window: int | None = None) -> None:
+        """``attn_backend``: the selector's choice (None for the zero-cost runner, which runs no model);
+        ``sliding_window``: the window every layer of the model attends through, if any (the KV cache manager
+        then frees the blocks behind it)."""
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                sliding_window=sliding_window)
         self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len)
         cpu_threads = None
-        if cpu_kernel:  # pinning goes through the CPU kernels' extension
+        if attn_backend is not None and attn_backend.uses_cpu_ops:  # pinning goes through the CPU kernels' extension
             cpu_threads = plan_binding(config.cpu_threads_bind, torch.get_num_threads())
         if config.model_runner == "zero_cost":  # benchmarks of everything but the forward pass
             self.model_runner = ZeroCostModelRunner(model.config.vocab_size)
         else:
-            self.model_runner = ModelRunner(model, num_blocks, config.block_size, use_kernels, max_model_len,
-                                            compact=config.model_impl == "auto", cpu_kernel=cpu_kernel,
-                                            cpu_threads=cpu_threads)
+            self.model_runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, attn_backend,
+                                            compact=config.model_impl == "auto", cpu_threads=cpu_threads)
             if config.cuda_graphs != "off":
                 self.model_runner.capture_decode_graphs(config.max_num_seqs, emulate=config.cuda_graphs == "emulate")
         self._cond = threading.Condition()

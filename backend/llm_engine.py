@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
+from backend.attention import select_attention_backend
 from backend.bad_words import bad_words_token_ids
 from backend.block_pool import ALL_BLOCKS_CLEARED
 from backend.config import EngineConfig, resolve_dtype
@@ -33,7 +34,7 @@ from backend.cpu_threads import run_on_fresh_thread
 from backend.engine_core import EngineCore
 from backend.errors import EngineDeadError
 from backend.model_loader import load_model
-from backend.model_runner import kv_bytes_per_block
+from backend.model_runner import kv_bytes_per_block, kv_shape
 from backend.model_support import inspect_attention
 from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
@@ -97,11 +98,11 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
-        on_cuda = model.device.type == "cuda"
-        use_kernels = config.use_kernels if config.use_kernels is not None else on_cuda
-        cpu_kernel = (config.use_kernels is None and not on_cuda and config.model_runner == "default"
-                      and _cpu_kernels_available())
-        self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, use_kernels, cpu_kernel,
+        attn_backend = None  # the zero-cost runner runs no model
+        if config.model_runner == "default":
+            attn_backend = select_attention_backend(config.attention_backend, model.device, model.dtype,
+                                                    kv_shape(model.config)[1])
+        self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, attn_backend,
                                       sliding_window=self.model_attention.uniform_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, model.config.vocab_size)
@@ -367,12 +368,6 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes each)")
         return num_blocks
-
-
-def _cpu_kernels_available() -> bool:
-    import kernels.cpu
-
-    return kernels.cpu.load() is not None
 
 
 def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend import cpu_ops
 from backend.bad_words import banned_next_tokens
 from backend.request import Request
 from backend.structured_output.grammar import apply_grammar_bitmask
@@ -31,7 +32,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns ``[batch, vocab]`` logits into one token per request.
+    """Turns ``[batch, vocab]`` logits, or the model's final hidden states, into one token per request.
 
     Order, as in vLLM and transformers' logits processors: penalties (repetition, presence, frequency),
     the structured-output grammar's token bitmask (only rows whose request has a grammar pay for it; see
@@ -44,10 +45,34 @@ class Sampler:
     (argmax of p / Exp(1), equivalent to sampling from p) so a batch needs no per-row multinomial; a
     seeded request draws its noise from its own ``torch.Generator``, so its tokens do not depend on what
     shares its batch.
+
+    Greedy-only batches (every request :func:`plain_greedy`) take fast paths inside the sampler, with the same
+    picks: from hidden states, the greedy head (:mod:`backend.models.greedy_head`: an fp32 head at about bf16
+    cost) where it covers the rows; from logits, ``kernels/cpu``'s argmax in the model's dtype (no fp32 copy).
+
+    Args:
+        lm_head: ``[rows, hidden_size] -> [rows, vocab]`` logits, for :meth:`from_hidden`; None when the model
+            gives logits.
+        greedy_head: a :class:`~backend.models.greedy_head.GreedyHead` of ``lm_head``'s weight, or None.
+        native_argmax: greedy-only batches of CPU logits pick through ``cpu_ops.argmax`` (the ``cpu`` backend).
     """
 
-    def __init__(self, cpu_kernels: bool = False) -> None:
-        self.cpu_kernels = cpu_kernels  # greedy-only batches pick through kernels/cpu's argmax (no fp32 copy)
+    def __init__(self, lm_head=None, greedy_head=None, native_argmax: bool = False) -> None:
+        self.lm_head, self.greedy_head, self.native_argmax = lm_head, greedy_head, native_argmax
+
+    def from_hidden(self, hidden: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Samples from the model's final hidden states ``[batch, hidden_size]`` (``requests`` in order): the
+        greedy head's picks when it applies, else :meth:`__call__` on ``lm_head(hidden)``.
+
+        Raises:
+            RuntimeError: the sampler was built without an ``lm_head``.
+        """
+        if self.lm_head is None:
+            raise RuntimeError("Sampler.from_hidden needs the lm_head it was built with")
+        if (self.greedy_head is not None and self.greedy_head.covers(hidden.shape[0])
+                and all(plain_greedy(r) for r in requests)):
+            return SamplerOutput(self.greedy_head(hidden, self.lm_head), [None] * len(requests))
+        return self(self.lm_head(hidden), requests)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """
@@ -57,10 +82,9 @@ class Sampler:
         Returns:
             One token id per request, and logprobs for the requests that asked.
         """
-        if self.cpu_kernels and logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
-            import kernels.cpu  # the argmax of the model's-dtype logits equals that of their fp32 copy
-
-            return SamplerOutput(kernels.cpu.argmax(logits).tolist(), [None] * len(requests))
+        if self.native_argmax and logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
+            # the argmax of the model's-dtype logits equals that of their fp32 copy
+            return SamplerOutput(cpu_ops.argmax(logits).tolist(), [None] * len(requests))
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import attention
-from backend.attention import GatherWorkspace, decode_attention
+from backend.attention import GatherWorkspace, decode_attention, torch_sdpa
 from kernels import reference
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 64, 4, 2, 6, 8
@@ -34,7 +33,7 @@ def decode_inputs(seq_lens: list[int], seed: int, head_dim: int = HEAD_DIM, num_
 @pytest.mark.parametrize("group_blocks", [1, 3, 7, 10_000])  # bytes of one block: groups of one sequence
 def test_grouped_decode_attention_matches_the_reference(monkeypatch, group_blocks):
     block_bytes = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_blocks * block_bytes)
+    monkeypatch.setattr(torch_sdpa, "DECODE_GROUP_BYTES", group_blocks * block_bytes)
     workspace = GatherWorkspace()
     for seed, seq_lens in enumerate([[1, 5, 17, 9, 4, 12, 3], [30, 2], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]):
         query, key_cache, value_cache, tables, lens, mask = decode_inputs(seq_lens, seed)

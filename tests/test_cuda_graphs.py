@@ -26,8 +26,8 @@ def test_capture_sizes_are_small_powers_then_every_16_up_to_the_limit():
 @pytest.mark.parametrize("settings, match", [
     (dict(cuda_graphs="sometimes"), "off, on or emulate"),
     (dict(cuda_graphs="on"), "CUDA device"),
-    (dict(cuda_graphs="emulate", use_kernels=False), "Triton kernels"),
-    (dict(cuda_graphs="emulate", use_kernels=True, model_impl="transformers"), "compact decoder"),
+    (dict(cuda_graphs="emulate", attention_backend="torch"), "triton attention backend"),
+    (dict(cuda_graphs="emulate", attention_backend="triton", model_impl="transformers"), "compact decoder"),
 ])
 def test_settings_that_cannot_capture_are_refused(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -35,12 +35,12 @@ def test_settings_that_cannot_capture_are_refused(settings, match):
 
 
 def test_capture_without_cuda_is_refused(make_engine, tiny_model_dir):
-    engine = make_engine(tiny_model_dir, use_kernels=True)
+    engine = make_engine(tiny_model_dir, attention_backend="triton")
     with pytest.raises(RuntimeError, match="CUDA device"):
         engine.model_runner.capture_decode_graphs(4)
-    cpu_kernel = make_engine(tiny_model_dir)  # the C++ CPU kernels: nothing to capture
-    with pytest.raises(ValueError, match="Triton kernels"):
-        cpu_kernel.model_runner.capture_decode_graphs(4, emulate=True)
+    other = make_engine(tiny_model_dir, attention_backend="torch")  # a backend without graphs: nothing to capture
+    with pytest.raises(ValueError, match="triton attention backend"):
+        other.model_runner.capture_decode_graphs(4, emulate=True)
 
 
 def test_padded_decode_batches_match_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
@@ -48,7 +48,7 @@ def test_padded_decode_batches_match_solo_generate(make_engine, tiny_model_dir, 
     from the static buffers; prompt steps run eagerly; every request gets its solo greedy tokens."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter (set by conftest on machines without a GPU)")
-    engine = make_engine(tiny_model_dir, use_kernels=True, cuda_graphs="emulate", max_num_seqs=5)
+    engine = make_engine(tiny_model_dir, attention_backend="triton", cuda_graphs="emulate", max_num_seqs=5)
     graphs = engine.model_runner.decode_graphs
     assert graphs.sizes == [1, 2, 4, 5]
     batches = []

@@ -63,10 +63,10 @@ def test_decode_in_small_groups_matches_solo_generate(group_bytes, monkeypatch, 
     # Decode attention gathers a group of sequences at a time: force groups of one sequence (1 byte) and of
     # 8 blocks (16 KiB of 2 KiB blocks: 1-8 sequences by their length), on a pool small enough to preempt, so
     # groups change shape from step to step.
-    from backend import attention
+    from backend.attention import torch_sdpa
 
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_bytes)
-    engine = make_engine(tiny_model_dir, num_blocks=14, use_kernels=False)  # the gather path
+    monkeypatch.setattr(torch_sdpa, "DECODE_GROUP_BYTES", group_bytes)
+    engine = make_engine(tiny_model_dir, num_blocks=14, attention_backend="torch")  # the gather path
     check_all(engine, tiny_reference, mixed_prompts(tokenizer, [2, 30, 9, 17, 44, 5], seed=2), 28, "groups")
     assert engine.stats().num_preemptions > 0
     assert engine.stats().kv.used_blocks == 0
@@ -118,7 +118,7 @@ def test_single_token_stream_has_one_final_delta(make_engine, tiny_model_dir):
 
 def test_triton_kernel_path_matches_the_torch_path(monkeypatch, make_engine, tiny_model_dir, tiny_reference,
                                                    tokenizer):
-    """The engine's one switch: attention through kernels/ (here under TRITON_INTERPRET) gives the same tokens;
+    """The triton attention backend (here under TRITON_INTERPRET) gives the same tokens;
     decode rows go through the decode kernel, the other rows of a mixed step through the prefill kernel."""
     import os
 
@@ -136,21 +136,68 @@ def test_triton_kernel_path_matches_the_torch_path(monkeypatch, make_engine, tin
 
     monkeypatch.setattr(kernels, "paged_decode_attention", counting("decode", kernels.paged_decode_attention))
     monkeypatch.setattr(kernels, "paged_prefill_attention", counting("prefill", kernels.paged_prefill_attention))
-    engine = make_engine(tiny_model_dir, use_kernels=True, max_num_batched_tokens=24)
+    engine = make_engine(tiny_model_dir, attention_backend="triton", max_num_batched_tokens=24)
     prompts = mixed_prompts(tokenizer, [3, 30, 17], seed=5)
     check_all(engine, tiny_reference, prompts, 6, "kernels")
     assert calls["decode"] > 0 and calls["prefill"] > 0
 
 
+def _backends_here() -> list:
+    """(backend, dtype) for every attention backend the selector can choose for the tiny model on this machine;
+    the fp32 torch and cpu backends run in the fast suite, the rest (Triton interpreted, bf16) are slow."""
+    import torch
+
+    from backend.attention import available_backends
+
+    cases = []
+    for dtype in ("float32", "bfloat16"):
+        for name in available_backends(torch.device("cpu"), getattr(torch, dtype), 16):
+            fast = dtype == "float32" and name != "triton"
+            cases.append(pytest.param(name, dtype, marks=() if fast else pytest.mark.slow, id=f"{name}-{dtype}"))
+    return cases
+
+
 @pytest.mark.parametrize("model_impl", ["auto", "transformers"])
-@pytest.mark.parametrize("use_kernels", [None, False])
-def test_compact_decoder_and_transformers_modules_match_solo_generate(model_impl, use_kernels, make_engine,
-                                                                      tiny_model_dir, tiny_reference, tokenizer):
-    """Both model implementations, with the C++ decode kernel (None, on CPU) and with gather + SDPA (False)."""
-    engine = make_engine(tiny_model_dir, model_impl=model_impl, use_kernels=use_kernels, max_num_batched_tokens=20)
+@pytest.mark.parametrize("backend,dtype", _backends_here())
+def test_every_attention_backend_matches_solo_generate(backend, dtype, model_impl, make_engine, tiny_model_dir,
+                                                       tiny_reference, tokenizer):
+    """Each backend the selector can choose here, in each dtype, with the compact decoder and with transformers'
+    modules, gives transformers' generate's greedy tokens (in the same dtype)."""
+    import torch
+
+    engine = make_engine(tiny_model_dir, attention_backend=backend, dtype=dtype, model_impl=model_impl,
+                         max_num_batched_tokens=20)
+    assert engine.model_runner.attn_backend.name == backend
     assert (engine.model_runner.decoder is None) == (model_impl == "transformers")
-    assert engine.model_runner.cpu_kernel == (use_kernels is None)
-    check_all(engine, tiny_reference, mixed_prompts(tokenizer, [5, 33, 18], seed=9), 20, f"{model_impl}/{use_kernels}")
+    reference = tiny_reference if dtype == "float32" else ReferenceModel(tiny_model_dir, getattr(torch, dtype))
+    check_all(engine, reference, mixed_prompts(tokenizer, [5, 33, 18], seed=9), 20, f"{backend}/{dtype}/{model_impl}")
+
+
+def test_selector_logs_its_choice_once_and_the_setting_overrides_it(caplog, make_engine, tiny_model_dir):
+    """``auto`` picks the cpu backend on a CPU where kernels/cpu builds (torch elsewhere) and says so once in the
+    log, not per step; ``attention_backend`` forces another; an unavailable or unknown one is refused."""
+    import logging
+
+    import torch
+
+    from backend import EngineConfig, cpu_ops
+    from backend.attention import select_attention_backend
+
+    with caplog.at_level(logging.INFO, logger="backend.attention.selector"):
+        engine = make_engine(tiny_model_dir)
+        check = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY), request_id="r")
+        run_to_completion(engine, {"r": check})
+    choices = [r.getMessage() for r in caplog.records if r.name == "backend.attention.selector"]
+    auto = "cpu" if cpu_ops.available() else "torch"
+    assert len(choices) == 1 and choices[0].startswith(f"attention backend: {auto} (auto"), choices
+    assert engine.model_runner.attn_backend.name == auto
+    assert make_engine(tiny_model_dir, attention_backend="torch").model_runner.attn_backend.name == "torch"
+    with pytest.raises(ValueError, match="'cpu' is not available here: the C.. kernels run on CPU.*available: torch"):
+        select_attention_backend("cpu", torch.device("meta"), torch.float32, 16)
+    with pytest.raises(ValueError, match="'triton' is not available here: head_dim 24"):
+        select_attention_backend("triton", torch.device("cpu"), torch.float32, 24)
+    with pytest.raises(ValueError, match="attention_backend must be auto, torch, cpu or triton"):
+        EngineConfig(attention_backend="flash")
 
 
 def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo_generate(
@@ -158,14 +205,14 @@ def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo
     """With head_dim 64 the prompt rows take kernels/cpu's prefill kernel (blocks read in place): whole prompts,
     chunks after a computed prefix (max_num_batched_tokens 20) and prompts whose prefix blocks come from the
     prefix cache all give solo generate's greedy tokens (fp32)."""
-    import kernels.cpu
+    from backend import cpu_ops
 
-    if kernels.cpu.load() is None:
+    if not cpu_ops.available():
         pytest.skip("no C++ compiler on this machine")
     model_dir = build_tiny_model(tmp_path / "tiny-hd64", "llama", tokenizer, head_dim=64)
     rows = []
-    kernel = kernels.cpu.paged_prefill_attention
-    monkeypatch.setattr(kernels.cpu, "paged_prefill_attention",
+    kernel = cpu_ops.paged_prefill_attention
+    monkeypatch.setattr(cpu_ops, "paged_prefill_attention",
                         lambda q, *args, **kwargs: rows.append(q.shape[0]) or kernel(q, *args, **kwargs))
     engine = make_engine(model_dir, max_num_batched_tokens=20)
     reference = ReferenceModel(model_dir)
@@ -181,13 +228,13 @@ def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo
                                                         ("llama", "bfloat16", 80)])
 def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, num_requests, monkeypatch, make_engine,
                                                               tmp_path, tokenizer):
-    """Decode steps run every layer in one C++ call (kernels.cpu.decode_layers): each such step is also run through
+    """Decode steps run every layer in one C++ call (cpu_ops.decode_layers): each such step is also run through
     the Python layer loop first (its KV writes are the same values to the same slots), and the final hidden states
     (the LM head's input) must be equal bit for bit; with a QKV bias (qwen2), in fp32 and bf16, over steps whose batch grows and shrinks, and
     (80 requests) over 64 rows, where the GEMMs' rows take many passes over each group of weights."""
     import torch
 
-    import kernels.cpu
+    from backend import cpu_ops
 
     model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
     engine = make_engine(model_dir, dtype=dtype, num_blocks=64 if num_requests < 64 else 512,
@@ -213,6 +260,6 @@ def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, nu
              for i, p in enumerate(prompts)}
     run_to_completion(engine, sinks)
     assert len({rows for rows, _ in steps}) >= 3, steps  # decode batches of several sizes went through it
-    if num_requests > 64 and kernels.cpu.small_gemm_max_rows(getattr(torch, dtype)) > 64:
+    if num_requests > 64 and cpu_ops.small_gemm_max_rows(getattr(torch, dtype)) > 64:
         assert max(rows for rows, _ in steps) == num_requests, steps
     assert all(equal for _, equal in steps), steps

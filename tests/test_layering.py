@@ -31,3 +31,34 @@ def imports(module: str) -> set[str]:
 ])
 def test_module_does_not_import_the_layers_above_or_beside_it(module, forbidden):
     assert not imports(module) & forbidden
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_the_cpu_kernels_are_imported_only_by_their_loader():
+    """``kernels.cpu`` is reached through ``backend/cpu_ops.py`` alone: which code runs it is the attention
+    backend's choice, made once, not a lazy import at each call site."""
+    root = BACKEND.parent
+    sources = [p for folder in ("backend", "model_repository", "openai_frontend", "serve")
+               for p in (root / folder).rglob("*.py")]
+    assert len(sources) > 20
+    importers = sorted(str(p.relative_to(root)) for p in sources
+                       if any(name == "kernels.cpu" or name.startswith("kernels.cpu.") for name in _imported_modules(p)))
+    assert importers == ["backend/cpu_ops.py"]
+
+
+def test_model_code_calls_one_attention_function():
+    """The compact decoder never asks which kernel runs: it imports ``attention`` and no backend or kernel."""
+    names = _imported_modules(BACKEND / "models" / "llama.py")
+    assert "backend.attention.attention" in names
+    assert not {n for n in names if n.startswith("kernels") or n.startswith("backend.attention.")
+                and n.split(".")[2] in ("cpu", "torch_sdpa", "triton", "selector")}

@@ -107,7 +107,7 @@ def test_triton_kernels_honour_window_softcap_and_sinks_end_to_end(name, family_
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter (set by conftest on machines without a GPU)")
     model_dir = family_dir(name)
-    engine = make_engine(model_dir, block_size=4, use_kernels=True, max_num_batched_tokens=12, max_model_len=128)
+    engine = make_engine(model_dir, block_size=4, attention_backend="triton", max_num_batched_tokens=12, max_model_len=128)
     check_greedy(engine, model_dir, prompts_for(tokenizer, [19, 5], seed=2), 8, f"{name}/kernels")
 
 

@@ -99,15 +99,15 @@ def test_top_k_top_p_min_p_restrict_the_draw():
 def test_greedy_batches_pick_through_the_cpu_kernel_exactly_as_torch_argmax():
     """A batch of plain greedy requests takes kernels/cpu's argmax on the bf16 logits (no fp32 copy); a request
     with a penalty sends the whole batch through the general path. Both give torch's argmax of the fp32 logits."""
-    import kernels.cpu
+    from backend import cpu_ops
 
-    if kernels.cpu.load() is None:
+    if not cpu_ops.available():
         pytest.skip("no C++ compiler for kernels/cpu")
     torch.manual_seed(0)
     logits = torch.randn(6, 300).to(torch.bfloat16)
     plain = [Request(str(i), [1, 2, 3], SamplingParams(temperature=0.0), (), max_tokens=5) for i in range(6)]
     want = logits.float().argmax(-1).tolist()
-    assert Sampler(cpu_kernels=True)(logits, plain).token_ids == want
+    assert Sampler(native_argmax=True)(logits, plain).token_ids == want
     penalized = plain[:5] + [Request("p", [1, 2, 3], SamplingParams(temperature=0.0, presence_penalty=0.5), (),
                                      max_tokens=5)]
-    assert Sampler(cpu_kernels=True)(logits, penalized).token_ids[:5] == want[:5]
+    assert Sampler(native_argmax=True)(logits, penalized).token_ids[:5] == want[:5]

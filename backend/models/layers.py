@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backend import cpu_ops
+
 
 def _onednn_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -40,10 +42,8 @@ class Linear(torch.nn.Module):
         self.small_batch = None  # the weight in the tile layout, when small_batch applies
         self.small_batch_rows = 0  # the most rows that go to it
         if self.packed and small_batch and _small_gemm_fits(weight):
-            import kernels.cpu
-
-            self.small_batch = kernels.cpu.small_gemm_pack(weight)
-            self.small_batch_rows = kernels.cpu.small_gemm_max_rows(weight.dtype)
+            self.small_batch = cpu_ops.small_gemm_pack(weight)
+            self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.register_buffer("weight", weight, persistent=False)
@@ -52,9 +52,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
         if 0 < x.shape[0] <= self.small_batch_rows:
-            import kernels.cpu
-
-            return kernels.cpu.small_gemm(x, self.small_batch, self.bias)
+            return cpu_ops.small_gemm(x, self.small_batch, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -63,9 +61,7 @@ class Linear(torch.nn.Module):
 def _small_gemm_fits(weight: torch.Tensor) -> bool:
     if weight.shape[0] % 16 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 32):
         return False
-    import kernels.cpu
-
-    return kernels.cpu.small_gemm_available(weight.dtype)
+    return cpu_ops.small_gemm_available(weight.dtype)
 
 
 def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False) -> Linear:
@@ -98,11 +94,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
         """``out`` (without ``residual``): write the result there (it may be ``x``: a per-head norm in place)."""
         if self.cpu_kernels:
-            import kernels.cpu  # here, not at the top: `kernels` imports Triton, which the torch path never needs
-
             if residual is None:
-                return kernels.cpu.rms_norm(x, self.weight, self.eps, out=out)
-            kernels.cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return cpu_ops.rms_norm(x, self.weight, self.eps, out=out)
+            cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         if residual is not None:
             residual.add_(x)
@@ -129,9 +123,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         The rotated ``(q, k)``.
     """
     if cpu_kernels:
-        import kernels.cpu
-
-        kernels.cpu.rotary_embedding(q, k, cos, sin)
+        cpu_ops.rotary_embedding(q, k, cos, sin)
         return q, k
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -146,8 +138,6 @@ def silu_and_mul(gate_up: torch.Tensor, cpu_kernels: bool = False) -> torch.Tens
     """SwiGLU (Shazeer 2020): ``[num_tokens, 2 * d]`` (gate then up) -> ``silu(gate) * up``, ``[num_tokens, d]``
     (one C++ pass with ``cpu_kernels``)."""
     if cpu_kernels:
-        import kernels.cpu
-
-        return kernels.cpu.silu_and_mul(gate_up)
+        return cpu_ops.silu_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])

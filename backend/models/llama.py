@@ -2,7 +2,8 @@
 
 The same weights and the same arithmetic as transformers' modules, in fewer and larger operations: per layer
 one QKV GEMM, one gate-up GEMM, the residual added inside the norm, and paged attention called directly on
-packed tokens ``[num_tokens, heads, head_dim]`` (no batch dimension, no transposes). nano-vllm's
+packed tokens ``[num_tokens, heads, head_dim]`` (no batch dimension, no transposes) through the one
+``attention`` call, whichever backend built the step's metadata. nano-vllm's
 ``models/qwen3.py`` and vLLM's ``model_executor/models/llama.py`` have this shape.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention import AttentionMetadata, TorchAttentionMetadata, paged_attention
+from backend import cpu_ops
+from backend.attention import AttentionMetadata, attention
 from backend.models.greedy_head import GreedyHead
 from backend.models.layers import Linear, RMSNorm, apply_rotary, fuse_linears, silu_and_mul
 
@@ -39,7 +41,7 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 
 
 # Up to this many bytes of weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
-# (kernels.cpu.small_gemm: AMX, or AVX512-BF16 / AVX-512 on the same layout): that doubles the weights' memory, worth
+# (cpu_ops.small_gemm: AMX, or AVX512-BF16 / AVX-512 on the same layout): that doubles the weights' memory, worth
 # it for the small models CPUs serve; past it, oneDNN runs every GEMM.
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
 
@@ -83,7 +85,7 @@ class DecoderLayer(torch.nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q, out=q), self.k_norm(k, out=k)
         q, k = apply_rotary(q, k, cos, sin, self.cpu_kernels)
-        attn = paged_attention(q, k, v, self.layer_idx, self.scale, meta)
+        attn = attention(q, k, v, self.layer_idx, self.scale, meta)
         hidden = self.o_proj(attn.view(num_tokens, q_size))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden), self.cpu_kernels))
@@ -113,7 +115,7 @@ class LlamaDecoder(torch.nn.Module):
         # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
         self.greedy_head = None
         if self.lm_head.small_batch is not None and lm_bias is None and _greedy_head_fits(hf_model.lm_head.weight):
-            self.greedy_head = GreedyHead(hf_model.lm_head.weight)
+            self.greedy_head = GreedyHead(hf_model.lm_head.weight, max_rows=self.lm_head.small_batch_rows)
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
         with torch.no_grad():  # transformers' own rotary module, so every static rope variant matches exactly
@@ -122,7 +124,7 @@ class LlamaDecoder(torch.nn.Module):
         self.register_buffer("cos_cache", cos[0].contiguous(), persistent=False)  # [max_model_len, head_dim]
         self.register_buffer("sin_cache", sin[0].contiguous(), persistent=False)
         # Decode steps that small_gemm takes (at most 64 rows on AMX, 256 elsewhere) run every layer in one C++
-        # call (kernels.cpu.decode_layers) when every GEMM has its small-batch layout and the layers have nothing
+        # call (cpu_ops.decode_layers) when every GEMM has its small-batch layout and the layers have nothing
         # it leaves out (Qwen3's q/k norms).
         layers = list(self.layers)
         self.decode_in_one_call = (
@@ -146,14 +148,6 @@ class LlamaDecoder(torch.nn.Module):
         """
         return self.lm_head(self.final_hidden(input_ids, positions, meta, logits_rows))
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """Each row's argmax of ``lm_head(hidden)`` through the greedy head (the same ids), or None where it does
-        not apply (no greedy head: not fp32 or no AVX512-BF16; more rows than ``small_gemm`` takes, whose logits
-        oneDNN would sum in another order)."""
-        if self.greedy_head is None or not 0 < hidden.shape[0] <= self.lm_head.small_batch_rows:
-            return None
-        return self.greedy_head(hidden, self.lm_head)
-
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      logits_rows: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` up to the LM head: ``[num_logits, hidden_size]``, the final norm's output."""
@@ -161,10 +155,8 @@ class LlamaDecoder(torch.nn.Module):
         cos = self.cos_cache.index_select(0, positions)  # [num_tokens, head_dim]
         sin = self.sin_cache.index_select(0, positions)
         if self._decodes_in_one_call(meta, hidden.shape[0]):
-            import kernels.cpu
-
             first = self.layers[0]
-            hidden, residual = kernels.cpu.decode_layers(
+            hidden, residual = cpu_ops.decode_layers(
                 hidden, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
                 self._decode_layer_tensors(meta.kv_caches), first.num_heads, first.num_kv_heads, first.head_dim,
                 first.input_layernorm.eps, first.scale)
@@ -177,14 +169,13 @@ class LlamaDecoder(torch.nn.Module):
         return hidden
 
     def _decodes_in_one_call(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """A step for ``kernels.cpu.decode_layers``: only single-token rows, as many as ``small_gemm`` takes, on the
-        C++ kernels."""
-        return (self.decode_in_one_call and isinstance(meta, TorchAttentionMetadata) and meta.cpu_kernel
-                and not meta.prefills and meta.num_decodes == num_tokens
+        """A step for ``cpu_ops.decode_layers``: only single-token rows, as many as ``small_gemm`` takes (the
+        decoder was built for the ``cpu`` backend, whose metadata has int64 contiguous decode tables)."""
+        return (self.decode_in_one_call and meta.num_decodes == num_tokens
                 and 0 < num_tokens <= self.layers[0].qkv_proj.small_batch_rows)
 
     def _decode_layer_tensors(self, kv_caches) -> list[torch.Tensor]:
-        """The per-layer tensors ``kernels.cpu.decode_layers`` takes, built once per KV pool."""
+        """The per-layer tensors ``cpu_ops.decode_layers`` takes, built once per KV pool."""
         if self._decode_tensors is None or self._decode_tensors[0] is not kv_caches:
             none = self.embed_tokens.weight.new_empty(0)
             tensors = []
@@ -200,7 +191,5 @@ class LlamaDecoder(torch.nn.Module):
 
 def _greedy_head_fits(weight: torch.Tensor) -> bool:
     """An fp32 head ``GreedyHead`` takes, on a CPU whose kernels have AVX512-BF16."""
-    import kernels.cpu
-
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and kernels.cpu.greedy_head_available())
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and cpu_ops.greedy_head_available())

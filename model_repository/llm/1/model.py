@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-import kernels.cpu
-from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput
+from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput, cpu_ops
 from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
 from serve.drain import DrainMonitor, pop_grace
@@ -101,7 +100,7 @@ class TritonPythonModel:
         threading.Thread(target=self._exit_when_orphaned, name="llm-watchdog", daemon=True).start()
         # The same check from a native thread: the Python one cannot run while another thread holds the GIL
         # blocked in a call to the dead server.
-        kernels.cpu.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
+        cpu_ops.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
 
     def execute(self, requests: list) -> None:
         self.drain.start()  # here, not in initialize: see DrainMonitor.start
