@@ -219,7 +219,7 @@ class CoreSim:
                 for i, block in enumerate(s.block_ids[:num_hits]):
                     if block == NULL_BLOCK:  # a hit behind the sliding window, left free
                         continue
-                    assert self.pool._keys[block] == expected_block_key(request, i, bs), (
+                    assert self.pool._keys.get(block) == expected_block_key(request, i, bs), (
                         f"prefix-cache hit on block {block} whose content is not block {i} of {request}")
 
     def check(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from core_sim import EOS, CoreSim, expected_output, fake_token
-from hypothesis import HealthCheck, given, settings, target
+from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from backend.kv_cache_manager import KVCacheManager
@@ -78,6 +78,10 @@ def run_scenario(scenario: dict) -> CoreSim:
             else:
                 assert (child.output_token_ids, child.status) == (want, status), child
     target(float(sim.scheduler.num_preemptions), label="preemptions")
+    event(f"preempted: {sim.scheduler.num_preemptions > 0}")
+    event(f"prefix-cache hits: {any(r.num_cached_tokens for r in sim.requests.values())}")
+    event(f"sliding window: {scenario['sliding_window'] is not None}")
+    event(f"aborted with output: {any(r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens for r in sim.requests.values())}")
     return sim
 
 
