@@ -176,6 +176,18 @@ class CoreSim:
         self.check()
         return out
 
+    def fail_step(self) -> SchedulerOutput:
+        """A step whose forward pass fails: its requests end with ``FINISHED_ERROR`` (as ``EngineCore.step``
+        ends them), their blocks freed and dropped from the prefix cache; nothing is written."""
+        waiting_before = {r.request_id for r in self.scheduler.waiting}
+        out = self.scheduler.schedule()
+        self.check_schedule(out, waiting_before)
+        for request in out.requests:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, "forward pass failed")
+        self.num_steps += 1
+        self.check()
+        return out
+
     def run(self, max_steps: int = 10_000) -> None:
         """Steps until nothing is left, failing on a step that schedules nothing while work remains."""
         while self.scheduler.running or self.scheduler.waiting:

@@ -36,20 +36,25 @@ def request_specs(draw):
 @st.composite
 def scenarios(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    window = draw(st.none() | st.none() | st.integers(1, 20))
+    window = draw(st.integers(1, 20)) if draw(st.integers(0, 2)) == 0 else None  # a third have a window
     budget = draw(st.integers(1, 40))
     specs = draw(st.lists(request_specs(), min_size=1, max_size=7))
     sizing = KVCacheManager(1, block_size, sliding_window=window)
     needed = max(sizing.max_blocks_per_request(len(s["prompt"]) + s["max_tokens"], budget) for s in specs)
     return dict(block_size=block_size, sliding_window=window, max_num_batched_tokens=budget,
                 max_num_seqs=draw(st.integers(1, 6)), enable_prefix_caching=draw(st.booleans()),
-                num_blocks=needed + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32])), specs=specs)
+                num_blocks=needed + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32])), specs=specs,
+                failing_step=draw(st.sampled_from([None, None, None, None, 0, 1, 3, 6])))
 
 
 def run_scenario(scenario: dict) -> CoreSim:
     """Adds each request at its arrival step, aborts it ``abort_after`` steps later, steps until all finish;
-    then every completion's output must be its solo output (or a prefix of it, when aborted)."""
+    then every completion's output must be its solo output (or a prefix of it, when aborted or failed).
+
+    At ``failing_step`` the forward pass fails: as the engine does, every request of that step ends with
+    ``FINISHED_ERROR`` and its blocks leave the prefix cache."""
     specs = scenario.pop("specs")
+    failing_step = scenario.pop("failing_step")
     sim = CoreSim(**scenario)
     children: dict[int, list[Request]] = {}
     step = 0
@@ -65,7 +70,9 @@ def run_scenario(scenario: dict) -> CoreSim:
                     sim.abort(child)  # a no-op on a finished completion
         if step > max(s["arrival"] for s in specs) and not (sim.scheduler.running or sim.scheduler.waiting):
             break
-        if sim.scheduler.running or sim.scheduler.waiting:
+        if (sim.scheduler.running or sim.scheduler.waiting) and step == failing_step:
+            sim.fail_step()
+        elif sim.scheduler.running or sim.scheduler.waiting:
             assert not sim.step().is_empty, "work left but nothing scheduled"
         step += 1
         assert step < 2000, "requests left unfinished"
@@ -73,7 +80,7 @@ def run_scenario(scenario: dict) -> CoreSim:
     for k, spec in enumerate(specs):
         for child in children[k]:
             want, status = expected_output(spec["prompt"], spec["max_tokens"], child.index)
-            if child.status == RequestStatus.FINISHED_ABORTED:
+            if child.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
                 assert child.output_token_ids == want[:child.num_output_tokens]
             else:
                 assert (child.output_token_ids, child.status) == (want, status), child
@@ -82,6 +89,7 @@ def run_scenario(scenario: dict) -> CoreSim:
     event(f"prefix-cache hits: {any(r.num_cached_tokens for r in sim.requests.values())}")
     event(f"sliding window: {scenario['sliding_window'] is not None}")
     event(f"aborted with output: {any(r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens for r in sim.requests.values())}")
+    event(f"failed step: {any(r.status == RequestStatus.FINISHED_ERROR for r in sim.requests.values())}")
     return sim
 
 
@@ -311,15 +319,6 @@ def test_errored_request_drops_its_blocks_from_the_prefix_cache():
     again, = sim.add_prompt("b", tokens(0, 9), max_tokens=1)
     assert sim.step().scheduled[0].num_computed_tokens == 0  # no hit on content that may never have been written
     sim.check_drained()
-
-
-def test_sampling_params_max_tokens_is_not_what_the_scheduler_reads():
-    # The engine passes max_tokens to Request explicitly (None in params means up to max_model_len).
-    request = Request("x", [1, 2], SamplingParams(max_tokens=None), (EOS,), 3)
-    sim = CoreSim(num_blocks=8, block_size=4)
-    sim.add(request)
-    sim.run()
-    assert request.num_output_tokens <= 3
 
 
 def test_request_preempted_in_the_step_it_was_scheduled_leaves_no_unwritten_block_findable():
