@@ -182,19 +182,33 @@ class KVCacheManager:
             return full
         return min(full, cdiv(self.sliding_window - 1 + min(chunk, num_tokens), self.block_size) + 1)
 
+    def shares_unwritten_blocks(self, request: Request) -> bool:
+        """Whether another request holds a block that this one registered for tokens it has not computed yet.
+
+        Blocks are registered when allocated, so a request admitted later in the same step can take them as
+        prefix-cache hits; only this request's forward pass of that step writes their K/V. Preempting it now
+        would leave the other request attending to K/V that nobody writes.
+        """
+        table = self.block_tables.get(request.request_id, ())
+        return any(b != NULL_BLOCK and self.pool.ref_counts[b] > 1
+                   for b in table[request.num_computed_tokens // self.block_size:])
+
     def free(self, request: Request, uncache: bool = False) -> None:
         """Returns all of the request's blocks to the pool (a no-op when it holds none).
 
+        Blocks registered for tokens beyond ``request.num_computed_tokens`` leave the prefix cache: the request
+        is preempted or ended in the step that allocated them, before its forward pass wrote their K/V.
+
         Args:
-            uncache: also forget the blocks' prefix-cache entries (their K/V may never have been written:
+            uncache: forget the prefix-cache entries of all its blocks (their K/V may never have been written:
                 the forward pass failed).
         """
         table = self.block_tables.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if table:
-            if uncache:
-                self.pool.uncache([b for b in table if b != NULL_BLOCK])
+            unwritten = 0 if uncache else request.num_computed_tokens // self.block_size
+            self.pool.uncache([b for b in table[unwritten:] if b != NULL_BLOCK])
             # Last block first: it joins the free queue first, so it is evicted first (the tail of a
             # prompt is the least likely part to be shared).
             self.pool.free([b for b in table[::-1] if b != NULL_BLOCK])

@@ -139,13 +139,15 @@ class Scheduler:
 
     def _preempt_for(self, request: Request, scheduled: list[tuple[Request, int]]) -> bool:
         """Makes room for the waiting ``request`` by preempting the running request with the highest priority
-        value (the newest among equals), if that value is higher than ``request``'s (vLLM's priority policy);
+        value (the newest among equals), if that value is higher than ``request``'s (vLLM's priority policy)
+        and no request admitted this step took one of the blocks it fills this step as a prefix-cache hit;
         a victim scheduled earlier this step is taken out of ``scheduled``. Returns whether one was."""
         if not self.running:
             return False
         victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
         victim = self.running[victim_index]
-        if victim.priority <= request.priority:
+        # A victim whose blocks of this step a request admitted after it took as hits must compute them.
+        if victim.priority <= request.priority or self.kv.shares_unwritten_blocks(victim):
             return False
         self.running.pop(victim_index)
         scheduled[:] = [(r, n) for r, n in scheduled if r is not victim]

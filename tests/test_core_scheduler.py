@@ -1,0 +1,355 @@
+"""The scheduler over the real KV cache manager and block pool, driven by a fake runner (no model): random
+workloads checked after every step (``tests/core_sim.py`` lists the invariants), and targeted cases.
+
+vLLM's ``tests/v1/core/test_scheduler.py`` is the model: fake requests, a fake model output, asserts on queues
+and blocks; Hypothesis draws the workloads (arrivals, aborts, forks, priorities, pool and budget sizes).
+"""
+
+from __future__ import annotations
+
+import pytest
+from core_sim import EOS, CoreSim, expected_output, fake_token
+from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import strategies as st
+
+from backend.kv_cache_manager import KVCacheManager
+from backend.request import Request, RequestStatus
+from backend.sampling_params import SamplingParams
+
+BASES = ([(7 * i + 3) % 63 + 1 for i in range(40)], [(11 * i + 5) % 63 + 1 for i in range(40)])  # shared prefixes
+
+
+@st.composite
+def request_specs(draw):
+    base = BASES[draw(st.integers(0, 1))]
+    prefix = base[:draw(st.integers(0, 24))]
+    suffix = draw(st.lists(st.integers(1, 63), max_size=8))
+    prompt = (prefix + suffix) or [1]
+    n = draw(st.integers(1, 3))
+    return dict(arrival=draw(st.integers(0, 12)), prompt=prompt, max_tokens=draw(st.integers(1, 10)), n=n,
+                priority=draw(st.sampled_from([0, 0, 1, 2])),
+                prompt_logprobs=draw(st.sampled_from([None, None, None, 0, 2])),
+                cache_salt=draw(st.sampled_from([None, None, None, "a", "b"])) if n == 1 else None,
+                abort_after=draw(st.none() | st.integers(0, 12)))
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    window = draw(st.integers(1, 20)) if draw(st.integers(0, 2)) == 0 else None  # a third have a window
+    budget = draw(st.integers(1, 40))
+    specs = draw(st.lists(request_specs(), min_size=1, max_size=7))
+    sizing = KVCacheManager(1, block_size, sliding_window=window)
+    needed = max(sizing.max_blocks_per_request(len(s["prompt"]) + s["max_tokens"], budget) for s in specs)
+    return dict(block_size=block_size, sliding_window=window, max_num_batched_tokens=budget,
+                max_num_seqs=draw(st.integers(1, 6)), enable_prefix_caching=draw(st.booleans()),
+                num_blocks=needed + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32])), specs=specs,
+                failing_step=draw(st.sampled_from([None, None, None, None, 0, 1, 3, 6])))
+
+
+def run_scenario(scenario: dict) -> CoreSim:
+    """Adds each request at its arrival step, aborts it ``abort_after`` steps later, steps until all finish;
+    then every completion's output must be its solo output (or a prefix of it, when aborted or failed).
+
+    At ``failing_step`` the forward pass fails: as the engine does, every request of that step ends with
+    ``FINISHED_ERROR`` and its blocks leave the prefix cache."""
+    specs = scenario.pop("specs")
+    failing_step = scenario.pop("failing_step")
+    sim = CoreSim(**scenario)
+    children: dict[int, list[Request]] = {}
+    step = 0
+    while True:
+        for k, spec in enumerate(specs):
+            if spec["arrival"] == step:
+                children[k] = sim.add_prompt(f"r{k}", spec["prompt"], spec["max_tokens"], n=spec["n"],
+                                             priority=spec["priority"], prompt_logprobs=spec["prompt_logprobs"],
+                                             cache_salt=spec["cache_salt"])
+                sim.check()
+            if spec["abort_after"] is not None and spec["arrival"] + spec["abort_after"] == step:
+                for child in children[k]:
+                    sim.abort(child)  # a no-op on a finished completion
+        if step > max(s["arrival"] for s in specs) and not (sim.scheduler.running or sim.scheduler.waiting):
+            break
+        if (sim.scheduler.running or sim.scheduler.waiting) and step == failing_step:
+            sim.fail_step()
+        elif sim.scheduler.running or sim.scheduler.waiting:
+            assert not sim.step().is_empty, "work left but nothing scheduled"
+        step += 1
+        assert step < 2000, "requests left unfinished"
+    sim.check_drained()
+    for k, spec in enumerate(specs):
+        for child in children[k]:
+            want, status = expected_output(spec["prompt"], spec["max_tokens"], child.index)
+            if child.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+                assert child.output_token_ids == want[:child.num_output_tokens]
+            else:
+                assert (child.output_token_ids, child.status) == (want, status), child
+    target(float(sim.scheduler.num_preemptions), label="preemptions")
+    event(f"preempted: {sim.scheduler.num_preemptions > 0}")
+    event(f"prefix-cache hits: {any(r.num_cached_tokens for r in sim.requests.values())}")
+    event(f"sliding window: {scenario['sliding_window'] is not None}")
+    event(f"aborted with output: {any(r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens for r in sim.requests.values())}")
+    event(f"failed step: {any(r.status == RequestStatus.FINISHED_ERROR for r in sim.requests.values())}")
+    return sim
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_workloads_keep_every_invariant_and_give_solo_outputs(scenario):
+    run_scenario(scenario)
+
+
+# -- targeted cases -------------------------------------------------------------------------------------------
+def tokens(start: int, count: int) -> list[int]:
+    return [(start + i) % 63 + 1 for i in range(count)]
+
+
+def test_fake_token_outputs_are_what_a_solo_run_gives():
+    sim = CoreSim(num_blocks=16, block_size=4)
+    (request,) = sim.add_prompt("a", tokens(0, 10), max_tokens=6)
+    sim.run()
+    want, status = expected_output(tokens(0, 10), 6)
+    assert request.output_token_ids == want and request.status == status
+    assert sim.num_steps == 1 + len(want) - 1  # one prefill step, then one decode per further token
+
+
+def test_chunked_prefill_splits_a_prompt_under_the_token_budget():
+    sim = CoreSim(num_blocks=16, block_size=4, max_num_batched_tokens=5)
+    request, = sim.add_prompt("a", tokens(0, 12), max_tokens=2)
+    chunks = []
+    for _ in range(3):
+        (s,) = sim.step().scheduled
+        chunks.append((s.num_computed_tokens, s.num_scheduled_tokens))
+    assert chunks == [(0, 5), (5, 5), (10, 2)]
+    assert request.num_output_tokens == 1  # sampled only once the chunk reached the prompt's last token
+    sim.run()
+
+
+def test_decodes_are_scheduled_before_a_new_prefill_and_share_the_budget():
+    sim = CoreSim(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    sim.add_prompt("a", tokens(0, 6), max_tokens=8)
+    sim.step()
+    sim.add_prompt("b", tokens(20, 20), max_tokens=2)
+    out = sim.step()
+    assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
+    sim.run()
+
+
+def test_max_num_seqs_keeps_later_requests_waiting():
+    sim = CoreSim(num_blocks=64, block_size=4, max_num_seqs=2)
+    for k in range(4):
+        sim.add_prompt(f"r{k}", tokens(10 * k, 5), max_tokens=3)
+    out = sim.step()
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r in sim.scheduler.waiting] == ["r2", "r3"]
+    sim.run()
+
+
+def test_preempted_request_is_requeued_ahead_of_its_equals():
+    # 4 blocks of 4 tokens: two 7-token prompts fill them; the first decode that needs a 3rd block preempts.
+    sim = CoreSim(num_blocks=4, block_size=4)
+    a, = sim.add_prompt("a", tokens(0, 7), max_tokens=8)
+    b, = sim.add_prompt("b", tokens(30, 7), max_tokens=8)
+    c, = sim.add_prompt("c", tokens(50, 3), max_tokens=1)
+    sim.step()  # a and b prefill (2 blocks each); c waits for a block
+    assert [r.request_id for r in sim.scheduler.running] == ["a", "b"]
+    out = sim.step()  # a's 8th token needs no new block; b's neither
+    out = sim.step()  # a's 9th token needs a 3rd block: b (the newest) is preempted
+    assert b.status == RequestStatus.PREEMPTED and b.num_preemptions == 1 and b.num_computed_tokens == 0
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert [r.request_id for r in sim.scheduler.waiting] == ["b", "c"]  # ahead of c, which came before it
+    sim.run()
+    assert sim.scheduler.num_preemptions >= 1
+    for request, prompt, max_tokens in ((a, tokens(0, 7), 8), (b, tokens(30, 7), 8), (c, tokens(50, 3), 1)):
+        assert (request.output_token_ids, request.status) == expected_output(prompt, max_tokens)
+
+
+def test_a_lower_priority_value_preempts_the_running_request_with_the_highest():
+    sim = CoreSim(num_blocks=4, block_size=4)
+    low, = sim.add_prompt("low", tokens(0, 12), max_tokens=4, priority=5)
+    sim.step()
+    assert low.status == RequestStatus.RUNNING
+    urgent, = sim.add_prompt("urgent", tokens(20, 6), max_tokens=2, priority=0)
+    out = sim.step()
+    assert low.status == RequestStatus.PREEMPTED and urgent.status == RequestStatus.RUNNING
+    assert [s.request_id for s in out.scheduled] == ["urgent"]
+    sim.run()
+    assert urgent.finish_time < low.finish_time
+
+
+def test_equal_priorities_never_preempt_for_a_waiting_request():
+    sim = CoreSim(num_blocks=4, block_size=4)
+    first, = sim.add_prompt("first", tokens(0, 12), max_tokens=4)
+    sim.step()
+    second, = sim.add_prompt("second", tokens(20, 6), max_tokens=2)
+    out = sim.step()
+    assert [s.request_id for s in out.scheduled] == ["first"] and second.status == RequestStatus.WAITING
+    sim.run()
+    assert sim.scheduler.num_preemptions == 0
+
+
+def test_waiting_queue_orders_by_priority_then_arrival():
+    sim = CoreSim(num_blocks=64, block_size=4, max_num_seqs=1)
+    for name, priority in (("a", 2), ("b", 0), ("c", 2), ("d", 1), ("e", 0)):
+        sim.add_prompt(name, tokens(ord(name), 3), max_tokens=1, priority=priority)
+    assert [r.request_id for r in sim.scheduler.waiting] == ["b", "e", "d", "a", "c"]
+    order = []
+    while sim.scheduler.waiting or sim.scheduler.running:
+        order += [s.request_id for s in sim.step().scheduled]
+    assert order == ["b", "e", "d", "a", "c"]
+    sim.check_drained()
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid_prefill", "decoding"])
+def test_aborted_request_frees_its_blocks_and_leaves_both_queues(when):
+    sim = CoreSim(num_blocks=16, block_size=4, max_num_batched_tokens=6)
+    request, = sim.add_prompt("a", tokens(0, 10), max_tokens=20)
+    other, = sim.add_prompt("b", tokens(40, 3), max_tokens=2)
+    for _ in range({"waiting": 0, "mid_prefill": 1, "decoding": 3}[when]):
+        sim.step()
+    assert request.num_computed_tokens == {"waiting": 0, "mid_prefill": 6, "decoding": 11}[when]
+    sim.abort(request)
+    assert request.status == RequestStatus.FINISHED_ABORTED and request.finish_time is not None
+    assert request not in sim.scheduler.running and request not in sim.scheduler.waiting
+    assert "a" not in sim.kv.block_tables
+    sim.abort(request)  # idempotent
+    sim.run()
+    assert other.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_aborting_a_preempted_request_takes_it_off_the_waiting_queue():
+    sim = CoreSim(num_blocks=4, block_size=4)
+    sim.add_prompt("a", tokens(0, 7), max_tokens=8)
+    b, = sim.add_prompt("b", tokens(30, 7), max_tokens=8)
+    for _ in range(3):
+        sim.step()
+    assert b.status == RequestStatus.PREEMPTED
+    sim.abort(b)
+    assert b not in sim.scheduler.waiting and sim.scheduler.num_waiting_tokens == 0
+    sim.run()
+
+
+def test_n_completions_share_the_prompt_blocks_and_diverge_after():
+    for caching in (True, False):
+        sim = CoreSim(num_blocks=32, block_size=4, enable_prefix_caching=caching)
+        prompt = tokens(0, 10)  # 2 full blocks and 2 tokens
+        children = sim.add_prompt("p", prompt, max_tokens=6, n=3)
+        assert [c.request_id for c in children] == ["p#0", "p#1", "p#2"]
+        assert (children[0].cache_salt is None) == caching and len({c.cache_salt for c in children}) == 1
+        out = sim.step()  # all three in one step: the 2nd and 3rd hit the 1st's 2 full blocks at once
+        assert [s.num_computed_tokens for s in out.scheduled] == [0, 8, 8]
+        tables = [s.block_ids for s in out.scheduled]
+        assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+        assert len({t[2] for t in tables}) == 3  # the partial block holding the last prompt token: one each
+        assert [sim.pool.ref_counts[b] for b in tables[0]] == [3, 3, 1]
+        sim.run()
+        outputs = [c.output_token_ids for c in children]
+        assert outputs == [expected_output(prompt, 6, i)[0] for i in range(3)]
+        assert len({tuple(o) for o in outputs}) == 3
+
+
+def test_forks_with_caching_off_share_only_with_each_other():
+    sim = CoreSim(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    prompt = tokens(0, 9)
+    sim.add_prompt("solo", prompt, max_tokens=2)
+    forks = sim.add_prompt("fork", prompt, max_tokens=2, n=2)
+    by_id = {s.request_id: s for s in sim.step().scheduled}
+    assert {rid: s.num_computed_tokens for rid, s in by_id.items()} == {"solo": 0, "fork#0": 0, "fork#1": 8}
+    assert set(by_id["solo"].block_ids).isdisjoint(by_id["fork#0"].block_ids)
+    assert by_id["fork#0"].block_ids[:2] == by_id["fork#1"].block_ids[:2]
+    sim.run()
+    assert [f.output_token_ids for f in forks] == [expected_output(prompt, 2, i)[0] for i in range(2)]
+
+
+def test_prompt_logprobs_request_takes_no_prefix_hit_but_its_siblings_do():
+    sim = CoreSim(num_blocks=32, block_size=4)
+    prompt = tokens(0, 13)
+    sim.add_prompt("warm", prompt, max_tokens=1)
+    sim.run()
+    children = sim.add_prompt("p", prompt, max_tokens=2, n=2, prompt_logprobs=1)
+    assert [c.wants_prompt_logprobs for c in children] == [True, False]
+    by_id = {s.request_id: s for s in sim.step().scheduled}
+    assert {rid: s.num_computed_tokens for rid, s in by_id.items()} == {"p#0": 0, "p#1": 12}
+    assert [c.num_cached_tokens for c in children] == [0, 12]
+    sim.run()
+
+
+def test_sliding_window_frees_blocks_behind_the_window_and_keeps_outputs():
+    prompt = tokens(0, 30)
+    sim = CoreSim(num_blocks=16, block_size=4, max_num_batched_tokens=8, sliding_window=6)
+    request, = sim.add_prompt("w", prompt, max_tokens=10)
+    held = []
+    while not request.is_finished:
+        sim.step()
+        held.append(sum(1 for b in sim.kv.get_block_ids("w") if b >= 0))
+    assert max(held) <= sim.kv.max_blocks_per_request(40, 8) < 10  # 40 tokens would need 10 blocks
+    assert (request.output_token_ids, request.status) == expected_output(prompt, 10)
+    sim.check_drained()
+
+
+def test_check_fits_refuses_what_could_never_run():
+    sim = CoreSim(num_blocks=4, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sim.scheduler.check_fits(30, 3)
+    with pytest.raises(ValueError, match="KV blocks"):
+        sim.scheduler.check_fits(16, 1)  # 17 tokens: 5 blocks of 4, the pool has 4
+    sim.scheduler.check_fits(15, 1)
+
+
+def test_finished_request_in_the_step_output_is_not_advanced_again():
+    # A request finished while the step ran (e.g. a shutdown on another thread) is skipped by the update.
+    sim = CoreSim(num_blocks=16, block_size=4)
+    request, = sim.add_prompt("a", tokens(0, 5), max_tokens=4)
+    out = sim.scheduler.schedule()
+    sampled = sim.runner.execute(out, sim._holders())
+    sim.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+    assert sim.scheduler.update_from_output(out, sampled) == []
+    assert request.num_output_tokens == 0 and request.num_computed_tokens == 0
+    sim.check_drained()
+
+
+def test_errored_request_drops_its_blocks_from_the_prefix_cache():
+    sim = CoreSim(num_blocks=16, block_size=4)
+    request, = sim.add_prompt("a", tokens(0, 9), max_tokens=4)
+    out = sim.step()
+    blocks = out.scheduled[0].block_ids[:2]
+    assert all(b in sim.pool._keys for b in blocks)
+    sim.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, "forward pass failed")
+    assert not any(b in sim.pool._keys for b in blocks) and not sim.pool._cached
+    again, = sim.add_prompt("b", tokens(0, 9), max_tokens=1)
+    assert sim.step().scheduled[0].num_computed_tokens == 0  # no hit on content that may never have been written
+    sim.check_drained()
+
+
+def test_request_preempted_in_the_step_it_was_scheduled_leaves_no_unwritten_block_findable():
+    # A's second chunk (positions 8..13) registers block 2 in the prefix cache when it is allocated; then, in
+    # the same step, the more urgent C takes A's only sequence slot. A's chunk is never computed, so block 2
+    # must not stay findable: A, readmitted, would take it as a hit and attend to K/V nobody wrote.
+    sim = CoreSim(num_blocks=16, block_size=4, max_num_batched_tokens=8, max_num_seqs=1)
+    a, = sim.add_prompt("a", tokens(0, 14), max_tokens=2, priority=1)
+    sim.step()  # A computes positions 0..7 (blocks 0 and 1)
+    c, = sim.add_prompt("c", tokens(40, 2), max_tokens=1, priority=0)
+    out = sim.step()
+    assert [s.request_id for s in out.scheduled] == ["c"] and a.status == RequestStatus.PREEMPTED
+    out = sim.step()  # A again: only its two computed blocks are hits
+    assert [(s.request_id, s.num_computed_tokens) for s in out.scheduled] == [("a", 8)]
+    sim.run()
+    assert (a.output_token_ids, a.status) == expected_output(tokens(0, 14), 2)
+
+
+def test_no_preemption_of_a_request_whose_unwritten_blocks_a_new_request_just_hit():
+    # A (priority 2) computes the last 8 tokens of a 24-token prompt this step, registering blocks 4 and 5 at
+    # allocation; B (priority 0), admitted next in the same step, takes them as prefix-cache hits. Preempting A
+    # for C (priority 1) would leave B attending to blocks nobody writes, so C waits one step instead.
+    sim = CoreSim(num_blocks=32, block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
+    prefix = tokens(0, 24)
+    a, = sim.add_prompt("a", prefix, max_tokens=3, priority=2)
+    sim.step()  # A: positions 0..15
+    b, = sim.add_prompt("b", prefix + [5, 6], max_tokens=3, priority=0)
+    c, = sim.add_prompt("c", tokens(40, 3), max_tokens=3, priority=1)
+    out = sim.step()  # the fake runner fails this step if B reads positions 16..23 unwritten
+    assert [(s.request_id, s.num_computed_tokens) for s in out.scheduled] == [("a", 16), ("b", 24)]
+    assert c.status == RequestStatus.WAITING
+    sim.run()
+    for request, prompt in ((a, prefix), (b, prefix + [5, 6]), (c, tokens(40, 3))):
+        assert (request.output_token_ids, request.status) == expected_output(prompt, 3)
