@@ -258,7 +258,7 @@ class _Walker:
             if status is None:
                 _refuse(keyword, path, "not a JSON Schema keyword the grammar knows (an unknown keyword would "
                                        "be ignored)")
-            if status == REFUSED:
+            if status == REFUSED and not (keyword == "uniqueItems" and schema[keyword] is False):
                 _refuse(keyword, path, note)
         self._check_conditions(schema, path)
         for keyword in _ONE:
@@ -282,8 +282,6 @@ class _Walker:
     def _check_conditions(self, schema: dict, path: str) -> None:
         if "$id" in schema and path != "$":
             _refuse("$id", path, KEYWORDS["$id"][1])
-        if schema.get("uniqueItems", False) is not False:
-            _refuse("uniqueItems", path, KEYWORDS["uniqueItems"][1])
         types = self._types(schema, path)
         for keyword, applies_to in _TYPE_OF_KEYWORD.items():
             if keyword in schema and not (types and set(types) & set(applies_to)):
