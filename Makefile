@@ -14,7 +14,7 @@ LOADTEST_ARGS ?=
 SOAK_TIME ?= 30m
 SOAK_USERS ?= 64
 
-.PHONY: install serve test test-fast bench bench-peers bench-serving-path loadtest soak clean
+.PHONY: install serve test test-slow test-fast bench bench-peers bench-serving-path loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -31,7 +31,11 @@ serve: install
 		--openai-port $(OPENAI_PORT)
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(BIN)/pip install -q -r requirements-slow.txt
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not server" $(PYTEST_ARGS)
