@@ -107,6 +107,8 @@ class GrammarCompiler:
                 self._pending.pop(key, None)
             raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
                                         f"(compile_timeout); try again later")
+        if job.future.done():  # finished just after the deadline: take it
+            return job.future.result()
         running_for = time.monotonic() - job.started
         if running_for < self.compile_timeout:  # it waited in the queue part of the time
             raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
