@@ -69,7 +69,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "uniqueItems": (REFUSED, "`true` is not enforced: repeated items were accepted (`false` is allowed)"),
     "dependentRequired": (REFUSED, "not enforced: the dependent property could be left out"),
     "dependentSchemas": (REFUSED, "not enforced: the dependent schema could be ignored"),
-    "dependencies": (REFUSED, "draft 7's form of `dependentRequired`/`dependentSchemas`, refused with them"),
+    "dependencies": (REFUSED, "draft 7's form of `dependentRequired`/`dependentSchemas` (not enforced); "
+                              "not sampled, so refused with them"),
     "additionalItems": (REFUSED, "draft 7's tuple form: use `prefixItems` and `items`"),
     "$anchor": (REFUSED, "references by anchor are not resolved"),
     "$dynamicRef": (REFUSED, "dynamic references are not resolved"),
