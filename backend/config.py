@@ -58,6 +58,13 @@ class EngineConfig:
             sizes up to ``min(max_num_seqs, 256)`` (:mod:`backend.cuda_graphs`; needs CUDA, the ``triton`` attention
             backend and the compact decoder), or ``emulate``: the same static buffers and padding without capture, on any
             device (for tests on machines without a GPU). Off by default until measured on a GPU.
+        structured_outputs_max_schema_bytes: the longest JSON schema (``structured_outputs.json``), UTF-8 bytes;
+            longer ones are refused (400).
+        structured_outputs_max_schema_depth: the deepest nesting of JSON objects/arrays in a schema.
+        structured_outputs_max_schema_keywords: the most keywords in a schema (all its subschemas together).
+        structured_outputs_compile_timeout: seconds a constraint's grammar may take to compile; past it the
+            request is refused (400) and so is the same constraint later, at once. The compile runs on a worker
+            thread (``backend.structured_output.GrammarCompiler``), so the caller waits at most this long.
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
@@ -86,6 +93,10 @@ class EngineConfig:
     kv_events_topic: str = ""
     cuda_graphs: str = "off"
     model_runner: str = "default"
+    structured_outputs_max_schema_bytes: int = 64 * 1024
+    structured_outputs_max_schema_depth: int = 32
+    structured_outputs_max_schema_keywords: int = 2048
+    structured_outputs_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
@@ -117,8 +128,12 @@ class EngineConfig:
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
-                     "max_num_waiting_tokens", "stream_interval", "max_n"):
+                     "max_num_waiting_tokens", "stream_interval", "max_n", "structured_outputs_max_schema_bytes",
+                     "structured_outputs_max_schema_depth", "structured_outputs_max_schema_keywords"):
             _require_positive_int(name, getattr(self, name))
+        timeout = self.structured_outputs_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}")
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
@@ -163,6 +178,8 @@ def _parse(key: str, raw: object, annotation: str) -> object:
     try:
         if annotation.startswith("int"):
             return int(text)
+        if annotation.startswith("float"):
+            return float(text)
         if annotation.startswith("bool"):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError

@@ -42,7 +42,7 @@ from backend.parallel_sampling import ParentRequest
 from backend.prompt_limits import check_prompt_bytes, max_prompt_bytes
 from backend.sampling_params import SamplingParams
 from backend.stats import EngineStats
-from backend.structured_output import Grammar, GrammarCompiler
+from backend.structured_output import Grammar, GrammarCompiler, SchemaLimits
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,12 @@ class LLMEngine:
         self.engine_core = EngineCore(config, model, self.max_model_len, num_blocks, attn_backend,
                                       sliding_window=self.model_attention.uniform_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, model.config.vocab_size)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, model.config.vocab_size,
+            schema_limits=SchemaLimits(config.structured_outputs_max_schema_bytes,
+                                       config.structured_outputs_max_schema_depth,
+                                       config.structured_outputs_max_schema_keywords),
+            compile_timeout=config.structured_outputs_compile_timeout)
         # The core's parts, for tests and tools that inspect them.
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         self.scheduler = self.engine_core.scheduler
@@ -138,17 +143,20 @@ class LLMEngine:
         Returns:
             The sink.
 
-        A request with ``params.structured_outputs`` has its grammar compiled here, on the caller's thread
-        (once per distinct constraint: cached), before it is queued; the engine loop never compiles.
+        A request with ``params.structured_outputs`` has its constraint checked (a JSON schema keyword the
+        grammar would not enforce is refused) and its grammar compiled before it is queued, the caller waiting
+        at most ``structured_outputs_compile_timeout`` (once per distinct constraint: cached); the engine loop
+        never compiles.
 
         Raises:
             ValueError: empty prompt, invalid UTF-8, token ids outside the vocabulary, a request that can
                 never fit (over ``max_prompt_bytes`` before tokenizing, over ``max_model_len`` after, or
                 bigger than the whole KV cache), a duplicate request id, a ``timeout`` that is not a
-                positive number, or an invalid schema, regex or grammar in ``structured_outputs``. Nothing is
-                queued then; other requests are unaffected.
+                positive number, or an invalid, unenforceable, oversized or too slow to compile schema, regex
+                or grammar in ``structured_outputs``. Nothing is queued then; other requests are unaffected.
             EngineOverloadedError: the waiting queue is full (``max_num_waiting_requests`` /
-                ``max_num_waiting_tokens``); nothing is queued.
+                ``max_num_waiting_tokens``), or the grammar compiler was busy past the compile timeout;
+                nothing is queued.
             EngineDeadError: the engine is dead (:meth:`check_health`).
         """
         self.check_health()

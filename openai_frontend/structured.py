@@ -1,7 +1,7 @@
 """OpenAI's ``response_format`` (and vLLM's ``structured_outputs`` extra) -> the model's ``structured_outputs``.
 
-The engine enforces the constraint while sampling (``backend.structured_output``); this only maps the
-request's fields. The schema goes as JSON text, so its depth never counts against the nesting limit of
+The engine enforces the constraint while sampling (``backend.structured_output``), and refuses (a 400) a
+schema keyword it would not enforce, whatever ``strict`` says; this only maps the request's fields. The schema goes as JSON text, so its depth never counts against the nesting limit of
 ``sampling_parameters``.
 """
 

@@ -136,3 +136,42 @@ def test_bad_tool_requests_are_400(client):
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model="llm", messages=ASK_WEATHER, max_completion_tokens=5, **kwargs)
         assert word in bad.value.body["message"]
+
+
+@pytest.mark.parametrize("keyword, path, schema", [
+    ("uniqueItems", "$.properties.tags", {"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"enum": ["a", "b"]}, "minItems": 3, "uniqueItems": True}}}),
+    ("multipleOf", "$", {"type": "number", "multipleOf": 0.5}),
+    ("pattern", "$.properties.code", {"type": "object", "properties": {"code": {
+        "type": "string", "pattern": "^(?=.*\\d)[a-z0-9]{6}$"}}, "required": ["code"]}),
+    ("allOf", "$", {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 9}]}),
+    ("if", "$", {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}),
+    ("contains", "$.items", {"type": "array", "items": {"type": "array", "items": {"type": "integer"},
+                                                         "contains": {"const": 7}}}),
+])
+def test_unenforced_keyword_is_a_400_naming_it_and_its_path(client, keyword, path, schema):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llm", messages=ASK_WEATHER, max_completion_tokens=5,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "strict": True, "schema": schema}})
+    assert f"invalid structured_outputs.json: {keyword} at {path}: " in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:  # vLLM's field: the same check
+        client.completions.create(model="llm", prompt="x", max_tokens=5, extra_body={"structured_outputs": {"json": schema}})
+    assert f"{keyword} at {path}: " in bad.value.body["message"]
+
+
+def test_deep_or_huge_schema_is_a_quick_400(client):
+    import time
+
+    deep = {"type": "integer"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(1000)}}
+    for schema, message in [(deep, "nests deeper than 32"), (huge, "bytes; at most 65536")]:
+        start = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model="llm", messages=ASK_WEATHER, max_completion_tokens=5,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": schema}})
+        assert message in bad.value.body["message"]
+        assert time.monotonic() - start < 5.0

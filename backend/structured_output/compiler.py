@@ -1,15 +1,24 @@
-"""Compiles structured-output constraints into grammars, once per distinct constraint (an LRU cache)."""
+"""Compiles structured-output constraints into grammars, once per distinct constraint (an LRU cache), each
+compile on a worker thread with a deadline."""
 
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
+from backend.errors import EngineOverloadedError
 from backend.structured_output.params import StructuredOutputsParams
+from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-state token masks: tens of KiB to MiB)
+DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds one compile may take before its constraint is refused
+DEFAULT_COMPILE_THREADS = 2  # compiles running at once (a compile past its deadline keeps its thread)
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: ")  # "[13:41:12] /project/cpp/x.cc:94: " in xgrammar errors
 
 
@@ -17,26 +26,44 @@ class GrammarCompiler:
     """Turns :class:`StructuredOutputsParams` into an xgrammar ``CompiledGrammar`` for one tokenizer.
 
     Thread-safe; called on the thread that adds a request (never the engine loop), so the request is queued
-    only once its grammar is ready, and an invalid constraint fails that request alone. The tokenizer's
-    vocabulary is read on first use (about 1 s for a 49k-token BPE vocabulary), so engines whose requests
-    never ask for structured outputs pay nothing.
+    only once its grammar is ready, and an invalid constraint fails that request alone. A JSON schema is
+    first checked (:func:`~backend.structured_output.schema_check.check_json_schema`: every keyword enforced,
+    size, depth and keyword count bounded), a regex too (:func:`~backend.structured_output.schema_check.check_regex`).
+    The compile itself runs on one of ``compile_threads`` worker threads (xgrammar releases the GIL, so the
+    engine loop keeps stepping); the caller waits at most ``compile_timeout``. A compile that runs past it is
+    refused and remembered as refused (its result, when it comes, is dropped), so the same constraint is
+    refused at once next time. Refusals are cached like grammars.
+
+    The tokenizer's vocabulary is read on first use (about 1 s for a 49k-token BPE vocabulary), so engines
+    whose requests never ask for structured outputs pay nothing.
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer.
         vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
-        cache_size: compiled grammars kept, least recently used dropped first.
+        cache_size: compiled grammars (and refusals) kept, least recently used dropped first.
+        schema_limits: bounds on a JSON schema.
+        compile_timeout: seconds a compile may run.
+        compile_threads: compiles that may run at once.
 
     Attributes:
         num_compiled, num_cache_hits: counters, for tests and stats.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE,
+                 schema_limits: SchemaLimits = SchemaLimits(), compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
+                 compile_threads: int = DEFAULT_COMPILE_THREADS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_size = cache_size
+        self.schema_limits = schema_limits
+        self.compile_timeout = compile_timeout
+        self.compile_threads = compile_threads
         self._lock = threading.Lock()
         self._compiler = None
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # a grammar or a _Refused
+        self._pending: dict[tuple[str, str], _Job] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
         self.num_compiled = 0
         self.num_cache_hits = 0
 
@@ -44,27 +71,97 @@ class GrammarCompiler:
         """The compiled grammar for ``params`` (cached by kind and text).
 
         Raises:
-            ValueError: the schema, regex or grammar is invalid or unsupported (xgrammar's reason, without
-                its source location).
+            ValueError: the schema, regex or grammar is invalid, unsupported (xgrammar's reason, without its
+                source location), uses a keyword the grammar would not enforce, exceeds a bound, or took over
+                ``compile_timeout`` to compile.
+            EngineOverloadedError: every compile thread was busy until the deadline (the constraint itself may
+                be fine: try again later).
         """
         key = (params.kind, params.spec)
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                return compiled
-            compiler = self._get_compiler()
-            try:
-                compiled = _compile(compiler, params)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                message = _NATIVE_PREFIX.sub("", str(exc).strip()).splitlines()[0][:500]
-                raise ValueError(f"invalid structured_outputs.{params.kind}: {message}") from None
-            self._cache[key] = compiled
-            self.num_compiled += 1
+        if cached is not None:
+            return _unwrap(cached)
+        try:
+            _check(params, self.schema_limits)
+        except ValueError as exc:
+            refused = _Refused(f"invalid structured_outputs.{params.kind}: {exc}")
+            self._store(key, refused)
+            return _unwrap(refused)
+        with self._lock:
+            job = self._pending.get(key)
+            if job is None:
+                compiler = self._get_compiler()
+                job = self._pending[key] = _Job(key, params)
+                self._start_workers()
+                self._jobs.put((job, compiler))
+        try:
+            return job.future.result(timeout=self.compile_timeout)
+        except FutureTimeout:
+            pass
+        if job.future.cancel():  # still queued behind other compiles: not this constraint's fault
+            with self._lock:
+                self._pending.pop(key, None)
+            raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
+                                        f"(compile_timeout); try again later")
+        if job.future.done():  # finished just after the deadline: take it
+            return job.future.result()
+        running_for = time.monotonic() - job.started
+        if running_for < self.compile_timeout:  # it waited in the queue part of the time
+            raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
+                                        f"(compile_timeout); try again later")
+        refused = _Refused(f"invalid structured_outputs.{params.kind}: compiling it took over "
+                           f"{self.compile_timeout:g} s (compile_timeout); simplify it")
+        self._store(key, refused)  # the compile's own result, when it comes, is dropped
+        return _unwrap(refused)
+
+    def _run(self, job: "_Job", compiler) -> None:
+        """On a worker thread: compiles one job and stores its grammar or refusal (unless already refused)."""
+        if not job.future.set_running_or_notify_cancel():
+            return
+        job.started = time.monotonic()
+        try:
+            compiled = _compile(compiler, job.params)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            text = str(exc).strip()
+            message = _NATIVE_PREFIX.sub("", text).splitlines()[0][:500] if text else type(exc).__name__
+            refused = _Refused(f"invalid structured_outputs.{job.params.kind}: {message}")
+            self._store(job.key, refused, from_compile=True)
+            job.future.set_exception(ValueError(refused.message))
+        except Exception as exc:  # not the constraint's fault (e.g. out of memory): not cached
+            job.future.set_exception(exc)
+        else:
+            self._store(job.key, compiled, from_compile=True)
+            job.future.set_result(compiled)
+        finally:
+            with self._lock:
+                self._pending.pop(job.key, None)
+
+    def _store(self, key: tuple[str, str], value: object, from_compile: bool = False) -> None:
+        with self._lock:
+            if from_compile and isinstance(self._cache.get(key), _Refused):
+                return  # refused for running past its deadline: stays refused
+            if from_compile and not isinstance(value, _Refused):
+                self.num_compiled += 1
+            self._cache[key] = value
+            self._cache.move_to_end(key)
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+
+    def _start_workers(self) -> None:
+        """Starts the compile threads on first use (daemons: a compile past its deadline never holds up exit)."""
+        while len(self._workers) < self.compile_threads:
+            worker = threading.Thread(target=self._work, name=f"grammar-compile-{len(self._workers)}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _work(self) -> None:
+        while True:
+            job, compiler = self._jobs.get()
+            self._run(job, compiler)
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -76,15 +173,40 @@ class GrammarCompiler:
         return self._compiler
 
 
+class _Job:
+    """One compile in flight: callers asking for the same constraint wait on the same future."""
+
+    def __init__(self, key: tuple[str, str], params: StructuredOutputsParams) -> None:
+        self.key = key
+        self.params = params
+        self.future: Future = Future()
+        self.started = float("inf")  # time.monotonic() when a worker took it
+
+
+class _Refused:
+    """A cached refusal: the same constraint is refused again without being checked or compiled."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _unwrap(cached: object):
+    if isinstance(cached, _Refused):
+        raise ValueError(cached.message)
+    return cached
+
+
+def _check(params: StructuredOutputsParams, limits: SchemaLimits) -> None:
+    """Refuses, before compiling, a schema keyword or regex construct the grammar would not enforce."""
+    if params.kind == "json":
+        check_json_schema(params.json, limits)
+    elif params.kind == "regex":
+        check_regex(params.regex)
+
+
 def _compile(compiler, params: StructuredOutputsParams):
     kind = params.kind
-    if kind == "json":
-        try:
-            schema = json.loads(params.json)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
+    if kind == "json":  # already parsed and checked by _check
         # Compact separators and no free whitespace: a small model sampling at temperature 1 could otherwise
         # spend its whole budget on newlines between the tokens of a valid document.
         return compiler.compile_json_schema(params.json, any_whitespace=False)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar (the compile cost grows with it)
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a regex, grammar or choice list (the compile cost grows with it)
+# A schema's outer bound; the engine's own, smaller by default, is ``structured_outputs_max_schema_bytes``.
+MAX_SCHEMA_CHARS = 1 << 20
 MAX_CHOICES = 256
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM fields that select its own backend or options; accepted and ignored (xgrammar is always used here).
@@ -26,7 +28,7 @@ class StructuredOutputsParams:
 
     Raises:
         ValueError: none or more than one constraint, a value of the wrong type, an empty or oversized
-            one (``MAX_CONSTRAINT_CHARS``, ``MAX_CHOICES``). Whether a schema, regex or grammar is valid
+            one (``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_CHARS``, ``MAX_CHOICES``). Whether a schema, regex or grammar is valid
             is found when it is compiled (:class:`~backend.structured_output.GrammarCompiler`).
     """
 
@@ -62,9 +64,9 @@ class StructuredOutputsParams:
             if len(choice) > MAX_CHOICES:
                 raise ValueError(f"structured_outputs.choice has {len(choice)} strings; at most {MAX_CHOICES}")
             object.__setattr__(self, "choice", tuple(choice))
-        size = len(self.spec)
-        if size > MAX_CONSTRAINT_CHARS:
-            raise ValueError(f"structured_outputs.{self.kind} is {size} characters; at most {MAX_CONSTRAINT_CHARS}")
+        size, limit = len(self.spec), MAX_SCHEMA_CHARS if self.kind == "json" else MAX_CONSTRAINT_CHARS
+        if size > limit:
+            raise ValueError(f"structured_outputs.{self.kind} is {size} characters; at most {limit}")
 
     @property
     def kind(self) -> str:

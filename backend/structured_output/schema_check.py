@@ -1,0 +1,541 @@
+"""Which JSON Schema keywords the grammar enforces while sampling, and a checker that refuses the rest.
+
+xgrammar turns a schema into a grammar, but it silently drops what it cannot express (``uniqueItems``,
+``not``, ``if``/``then``/``else``, ``contains``, lookahead in ``pattern``, the siblings of ``anyOf`` or
+``$ref``, ...): the output would then not match the schema the request asked for. :func:`check_json_schema`
+walks the whole schema and refuses, with the keyword and its JSON path, every keyword (or use of one) that
+:data:`KEYWORDS` does not list as enforced or as an annotation.
+
+The table is empirical, for xgrammar 0.2.9 (the pinned version): each enforced keyword was checked by
+sampling at temperature 1 through the engine and validating every output with ``jsonschema``
+(``tests/test_schema_enforcement.py``), and by feeding the grammar hand-picked invalid documents; a
+keyword is refused when the grammar accepted a document ``jsonschema`` rejects. A grammar that is stricter
+than the schema (it never writes an optional extra property, reads ``pattern`` as a whole-string match,
+writes no exponent in numbers) is enforcement: every output is valid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation"
+
+# keyword -> (status, when it is enforced / why it is refused). ``docs/openai.md`` holds this table
+# (:func:`keyword_table_markdown`); a test keeps the two equal.
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "type": (ENFORCED, "one of string, integer, number, boolean, null, object, array, or a list of them"),
+    "enum": (ENFORCED, "siblings only `type` (every value of that type) and annotations"),
+    "const": (ENFORCED, "siblings only `type` (the value of that type) and annotations"),
+    "minimum": (ENFORCED, "with `type` integer or number"),
+    "maximum": (ENFORCED, "with `type` integer or number"),
+    "exclusiveMinimum": (ENFORCED, "a number (draft 4's boolean form is refused), with `type` integer or number"),
+    "exclusiveMaximum": (ENFORCED, "a number (draft 4's boolean form is refused), with `type` integer or number"),
+    "multipleOf": (ENFORCED, "only a positive whole number with `type` integer; on numbers it is refused"),
+    "minLength": (ENFORCED, "with `type` string, not together with `pattern` (then the length is not enforced)"),
+    "maxLength": (ENFORCED, "with `type` string, not together with `pattern` (then the length is not enforced)"),
+    "pattern": (ENFORCED, "with `type` string; a subset of ECMA-262 (see below); matched against the whole string"),
+    "format": (ENFORCED, "with `type` string; only the formats listed below"),
+    "items": (ENFORCED, "a schema or boolean, with `type` array (the draft 7 list form is refused: use `prefixItems`)"),
+    "prefixItems": (ENFORCED, "with `type` array"),
+    "minItems": (ENFORCED, "with `type` array"),
+    "maxItems": (ENFORCED, "with `type` array"),
+    "unevaluatedItems": (ENFORCED, "with `type` array"),
+    "properties": (ENFORCED, "with `type` object; optional properties may be left out, never extra ones "
+                             "unless `additionalProperties` allows them"),
+    "required": (ENFORCED, "with `type` object; every name listed in `properties`"),
+    "additionalProperties": (ENFORCED, "with `type` object"),
+    "patternProperties": (ENFORCED, "with `type` object; each pattern as for `pattern`"),
+    "propertyNames": (ENFORCED, "with `type` object, not together with `properties` or `patternProperties` "
+                                "(whose names it does not check)"),
+    "minProperties": (ENFORCED, "with `type` object"),
+    "maxProperties": (ENFORCED, "with `type` object"),
+    "unevaluatedProperties": (ENFORCED, "with `type` object"),
+    "anyOf": (ENFORCED, "siblings only annotations and `$defs`/`definitions`"),
+    "oneOf": (ENFORCED, "siblings as for `anyOf`; branches that cannot overlap: different types, or objects "
+                        "told apart by a required property's `const`/`enum`"),
+    "allOf": (ENFORCED, "exactly one schema; siblings as for `anyOf`"),
+    "$ref": (ENFORCED, "a local reference (`#`, `#/...`); siblings as for `anyOf`"),
+    "$defs": (ENFORCED, "holds schemas for `$ref`"),
+    "definitions": (ENFORCED, "holds schemas for `$ref`"),
+    "not": (REFUSED, "not enforced: outputs matching the negated schema were accepted"),
+    "if": (REFUSED, "not enforced (`if`/`then`/`else` ignored)"),
+    "then": (REFUSED, "not enforced (`if`/`then`/`else` ignored)"),
+    "else": (REFUSED, "not enforced (`if`/`then`/`else` ignored)"),
+    "contains": (REFUSED, "not enforced: arrays without a matching item were accepted"),
+    "minContains": (REFUSED, "not enforced (as `contains`)"),
+    "maxContains": (REFUSED, "not enforced (as `contains`)"),
+    "uniqueItems": (REFUSED, "`true` is not enforced: repeated items were accepted (`false` is allowed)"),
+    "dependentRequired": (REFUSED, "not enforced: the dependent property could be left out"),
+    "dependentSchemas": (REFUSED, "not enforced: the dependent schema could be ignored"),
+    "dependencies": (REFUSED, "draft 7's form of `dependentRequired`/`dependentSchemas` (not enforced); "
+                              "not sampled, so refused with them"),
+    "additionalItems": (REFUSED, "draft 7's tuple form: use `prefixItems` and `items`"),
+    "$anchor": (REFUSED, "references by anchor are not resolved"),
+    "$dynamicRef": (REFUSED, "dynamic references are not resolved"),
+    "$dynamicAnchor": (REFUSED, "dynamic references are not resolved"),
+    "$recursiveRef": (REFUSED, "dynamic references are not resolved"),
+    "$recursiveAnchor": (REFUSED, "dynamic references are not resolved"),
+    "$vocabulary": (REFUSED, "vocabularies are not supported"),
+    "contentEncoding": (REFUSED, "not enforced"),
+    "contentMediaType": (REFUSED, "not enforced"),
+    "contentSchema": (REFUSED, "not enforced"),
+    "nullable": (REFUSED, "OpenAPI's, not JSON Schema's: use `\"type\": [..., \"null\"]`"),
+    "title": (ANNOTATION, ""),
+    "description": (ANNOTATION, ""),
+    "examples": (ANNOTATION, ""),
+    "default": (ANNOTATION, "not used to fill values"),
+    "$comment": (ANNOTATION, ""),
+    "$schema": (ANNOTATION, ""),
+    "$id": (ANNOTATION, "at the root only (a nested `$id` changes what `$ref` means)"),
+    "deprecated": (ANNOTATION, ""),
+    "readOnly": (ANNOTATION, ""),
+    "writeOnly": (ANNOTATION, ""),
+    "discriminator": (ANNOTATION, "OpenAPI's hint beside `oneOf` (pydantic writes it); `oneOf`'s rule applies"),
+}
+
+# Formats whose grammar accepts only strings Python's jsonschema (with its format extras) accepts.
+# Refused: date, date-time (the grammar allows 2023-02-29), time (23:59:60), hostname (labels over 63
+# characters), ipv4 and ipv6 (leading zeros), idn-email, idn-hostname, iri, iri-reference, regex (not
+# checked at all), relative-json-pointer (the grammar writes 20, which Python's jsonschema rejects: any 0
+# after a digit), and every other name.
+ENFORCED_FORMATS = ("email", "uuid", "uri", "uri-reference", "uri-template", "json-pointer", "duration")
+
+TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
+_TYPE_OF_KEYWORD = {
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+                    ("integer", "number")),
+    **dict.fromkeys(("minLength", "maxLength", "pattern", "format"), ("string",)),
+    **dict.fromkeys(("items", "prefixItems", "minItems", "maxItems", "unevaluatedItems"), ("array",)),
+    **dict.fromkeys(("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+                     "minProperties", "maxProperties", "unevaluatedProperties"), ("object",)),
+}
+_COMPOSITION = ("anyOf", "oneOf", "allOf", "$ref")
+_BESIDE_COMPOSITION = {k for k, (status, _) in KEYWORDS.items() if status == ANNOTATION} | {"$defs", "definitions"}
+# Where subschemas are: one schema, a list of schemas, a name -> schema map.
+_ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    """Bounds on a JSON schema, checked before anything is compiled.
+
+    Attributes:
+        max_bytes: the schema's JSON text, UTF-8 bytes.
+        max_depth: nesting of JSON objects and arrays in the schema document.
+        max_keywords: keywords in all its (sub)schemas together.
+    """
+
+    max_bytes: int = 64 * 1024
+    max_depth: int = 32
+    max_keywords: int = 2048
+
+
+def check_json_schema(text: str, limits: SchemaLimits = SchemaLimits()) -> object:
+    """Parses a schema and refuses it unless every keyword is enforced while sampling (or an annotation).
+
+    Args:
+        text: the schema's JSON text.
+        limits: size, depth and keyword bounds.
+
+    Returns:
+        The parsed schema.
+
+    Raises:
+        ValueError: invalid JSON, a document that is not a schema, a bound exceeded, or the first keyword
+            that would not be enforced, e.g. ``multipleOf at $.properties.price: ...``.
+    """
+    size = len(text.encode("utf-8"))
+    if size > limits.max_bytes:
+        raise ValueError(f"the schema is {size} bytes; at most {limits.max_bytes}")
+    _check_depth(text, limits.max_depth)
+    try:
+        schema = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"the schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
+    _Walker(schema, limits).walk(schema, "$")
+    return schema
+
+
+def check_regex(pattern: str) -> None:
+    """Refuses a regular expression that uses what the grammar does not honour.
+
+    Allowed (ECMA-262, as JSON Schema's ``pattern``): literals, ``.``, classes ``[...]``, escapes ``\\d \\D \\w
+    \\W \\s \\S \\t \\n \\r \\f \\v \\xHH \\uHHHH`` and escaped punctuation, groups ``(...)`` and ``(?:...)``,
+    ``|``, quantifiers ``* + ? {n} {n,} {n,m}`` (lazy too), ``^`` at the start of an alternative and ``$`` at
+    its end. xgrammar compiles lookahead but ignores it, and refuses lookbehind, backreferences and word
+    boundaries; named groups and inline flags are not ECMA-262.
+
+    Raises:
+        ValueError: naming the construct and its position.
+    """
+    i, n = 0, len(pattern)
+    after_atom = False  # a quantifier may follow
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i = _check_escape(pattern, i, in_class=False)
+            after_atom = True
+            continue
+        if c == "[":
+            i = _check_class(pattern, i)
+            after_atom = True
+            continue
+        if c == "(":
+            if pattern.startswith("(?", i) and not pattern.startswith("(?:", i):
+                raise ValueError(f"{_group_kind(pattern, i)} at position {i} is not supported")
+            i += 3 if pattern.startswith("(?:", i) else 1
+            after_atom = False
+            continue
+        if c in "*+?{":
+            if c == "{":
+                m = re.compile(r"\{(\d+)(,(\d*))?\}").match(pattern, i)
+                if m is None:
+                    raise ValueError(f"a '{{' that is not a quantifier at position {i}: escape it as '\\{{'")
+                end = m.end()
+            else:
+                end = i + 1
+            if not after_atom:
+                raise ValueError(f"a quantifier with nothing to repeat at position {i}")
+            if end < n and pattern[end] == "?":
+                end += 1  # lazy: the same strings match
+            elif end < n and pattern[end] == "+":
+                raise ValueError(f"a possessive quantifier at position {end} is not supported")
+            i = end
+            after_atom = False
+            continue
+        if c == "^" and i > 0 and pattern[i - 1] not in "(|" and not pattern.endswith("(?:", 0, i):
+            raise ValueError(f"'^' at position {i} is not at the start of an alternative")
+        if c == "$" and i + 1 < n and pattern[i + 1] not in ")|":
+            raise ValueError(f"'$' at position {i} is not at the end of an alternative")
+        if c in "}]":
+            raise ValueError(f"an unmatched '{c}' at position {i}: escape it")
+        after_atom = c not in "|)^$" or c == ")"
+        i += 1
+
+
+def find_refused(schema: object, limits: SchemaLimits = SchemaLimits()) -> str | None:
+    """The refusal message for a parsed schema, or None when every keyword is enforced."""
+    try:
+        _Walker(schema, limits).walk(schema, "$")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def keyword_table_markdown() -> str:
+    """The keyword table of ``docs/openai.md``: one row per keyword, enforced first, then annotations, then
+    refused."""
+    order = {ENFORCED: 0, ANNOTATION: 1, REFUSED: 2}
+    rows = ["| Keyword | Status | When / why |", "| --- | --- | --- |"]
+    for name, (status, note) in sorted(KEYWORDS.items(), key=lambda kv: order[kv[1][0]]):
+        rows.append(f"| `{name}` | {status} | {note} |")
+    return "\n".join(rows)
+
+
+# -- the walk -----------------------------------------------------------------------------------------------
+class _Walker:
+    def __init__(self, root: object, limits: SchemaLimits) -> None:
+        self.root = root
+        self.limits = limits
+        self.num_keywords = 0
+
+    def walk(self, schema: object, path: str) -> None:
+        if isinstance(schema, bool):
+            return
+        if not isinstance(schema, dict):
+            raise ValueError(f"the schema at {path} is a {type(schema).__name__}; a schema is an object or a "
+                             f"boolean")
+        self.num_keywords += len(schema)
+        if self.num_keywords > self.limits.max_keywords:
+            raise ValueError(f"the schema has over {self.limits.max_keywords} keywords")
+        for keyword in schema:
+            status, note = KEYWORDS.get(keyword, (None, ""))
+            if status is None:
+                _refuse(keyword, path, "not a JSON Schema keyword the grammar knows (an unknown keyword would "
+                                       "be ignored)")
+            if status == REFUSED and not (keyword == "uniqueItems" and schema[keyword] is False):
+                _refuse(keyword, path, note)
+        self._check_conditions(schema, path)
+        for keyword in _ONE:
+            if keyword in schema:
+                self.walk(schema[keyword], f"{path}.{keyword}")
+        for keyword in _LIST:
+            if keyword in schema:
+                value = schema[keyword]
+                if not isinstance(value, list) or not value:
+                    _refuse(keyword, path, "must be a non-empty list of schemas")
+                for i, sub in enumerate(value):
+                    self.walk(sub, f"{path}.{keyword}[{i}]")
+        for keyword in _MAP:
+            if keyword in schema:
+                value = schema[keyword]
+                if not isinstance(value, dict):
+                    _refuse(keyword, path, "must be an object whose values are schemas")
+                for name, sub in value.items():
+                    self.walk(sub, f"{path}.{keyword}{_member(name)}")
+
+    def _check_conditions(self, schema: dict, path: str) -> None:
+        if "$id" in schema and path != "$":
+            _refuse("$id", path, KEYWORDS["$id"][1])
+        types = self._types(schema, path)
+        for keyword, applies_to in _TYPE_OF_KEYWORD.items():
+            if keyword in schema and not (types and set(types) & set(applies_to)):
+                _refuse(keyword, path, f"needs \"type\": {' or '.join(applies_to)} beside it (without it the "
+                                       f"grammar does not apply it)")
+        for keyword in ("exclusiveMinimum", "exclusiveMaximum"):
+            if isinstance(schema.get(keyword), bool):
+                _refuse(keyword, path, "draft 4's boolean form is not supported: give the bound as a number")
+        if "multipleOf" in schema:
+            value = schema["multipleOf"]
+            if set(types) != {"integer"} or not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _refuse("multipleOf", path, KEYWORDS["multipleOf"][1])
+        if "pattern" in schema:
+            if "minLength" in schema or "maxLength" in schema:
+                _refuse("minLength" if "minLength" in schema else "maxLength", path,
+                        "not enforced together with pattern: put the length into the pattern")
+            self._check_pattern(schema["pattern"], "pattern", path)
+        if "format" in schema and schema["format"] not in ENFORCED_FORMATS:
+            _refuse("format", path, f"{schema['format']!r} is not enforced; enforced formats: "
+                                    f"{', '.join(ENFORCED_FORMATS)}")
+        if "items" in schema and not isinstance(schema["items"], (dict, bool)):
+            _refuse("items", path, KEYWORDS["items"][1])
+        for name in schema.get("patternProperties", {}) if isinstance(schema.get("patternProperties"), dict) else ():
+            self._check_pattern(name, "patternProperties", path)
+        if "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema):
+            _refuse("propertyNames", path, KEYWORDS["propertyNames"][1])
+        if "required" in schema:
+            required = schema["required"]
+            properties = schema.get("properties", {})
+            if not isinstance(required, list) or not isinstance(properties, dict):
+                _refuse("required", path, "must be a list of property names")
+            missing = [name for name in required if name not in properties]
+            if missing:
+                _refuse("required", path, f"{missing[0]!r} is not in properties, and the grammar only requires "
+                                          f"listed properties")
+        for keyword in ("enum", "const"):
+            if keyword in schema:
+                self._check_values(schema, keyword, types, path)
+        composed = [k for k in _COMPOSITION if k in schema]
+        if composed:
+            others = sorted(set(schema) - _BESIDE_COMPOSITION - {composed[0]})
+            if others:
+                _refuse(others[0], path, f"not enforced beside {composed[0]} (the grammar follows {composed[0]} "
+                                         f"alone): move it into the subschemas")
+        if "allOf" in schema and isinstance(schema["allOf"], list) and len(schema["allOf"]) != 1:
+            _refuse("allOf", path, "more than one schema is not enforced (the grammar does not intersect them)")
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+                _refuse("$ref", path, f"{ref!r} is not a local reference ('#' or '#/...')")
+        if "oneOf" in schema and isinstance(schema["oneOf"], list):
+            self._check_one_of(schema["oneOf"], path)
+
+    def _types(self, schema: dict, path: str) -> tuple[str, ...]:
+        if "type" not in schema:
+            return ()
+        value = schema["type"]
+        types = tuple(value) if isinstance(value, list) else (value,)
+        if not types or any(t not in TYPES for t in types):
+            _refuse("type", path, f"{value!r} is not one of {', '.join(TYPES)} (or a list of them)")
+        return types
+
+    def _check_pattern(self, pattern: object, keyword: str, path: str) -> None:
+        if not isinstance(pattern, str):
+            _refuse(keyword, path, "a pattern is a string")
+        try:
+            check_regex(pattern)
+        except ValueError as exc:
+            _refuse(keyword, path, f"{pattern!r}: {exc}")
+
+    def _check_values(self, schema: dict, keyword: str, types: tuple[str, ...], path: str) -> None:
+        others = sorted(set(schema) - _BESIDE_COMPOSITION - {"type", keyword})
+        if others:
+            _refuse(others[0], path, f"not enforced beside {keyword} (the grammar writes the {keyword} values "
+                                     f"as they are)")
+        values = schema[keyword]
+        if keyword == "enum" and (not isinstance(values, list) or not values):
+            _refuse("enum", path, "must be a non-empty list")
+        for value in values if keyword == "enum" else [values]:
+            if types and not set(_json_types(value)) & set(types):
+                _refuse(keyword, path, f"value {json.dumps(value)[:60]} is not of type {' or '.join(types)}, "
+                                       f"and the grammar would write it anyway")
+
+    def _check_one_of(self, branches: list, path: str) -> None:
+        resolved = [self._resolve(b) for b in branches]
+        for i in range(len(resolved)):
+            for j in range(i + 1, len(resolved)):
+                if not _disjoint(resolved[i], resolved[j]):
+                    _refuse("oneOf", path, f"branches {i} and {j} may both match a value, and the grammar does not "
+                                           f"stop a value matching two (it reads oneOf as anyOf): use anyOf, or "
+                                           f"branches of different types or told apart by a required const "
+                                           f"property")
+
+    def _resolve(self, schema: object, seen: int = 0) -> object:
+        """Follows local ``$ref`` chains (at most 16) to the schema they name; None when it cannot."""
+        while isinstance(schema, dict) and "$ref" in schema and seen < 16:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or not ref.startswith("#"):
+                return None
+            node = self.root
+            for part in [p for p in ref[1:].split("/") if p]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(node, dict) and part in node:
+                    node = node[part]
+                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                    node = node[int(part)]
+                else:
+                    return None
+            schema, seen = node, seen + 1
+        return schema
+
+
+def _disjoint(a: object, b: object) -> bool:
+    """True when no value can match both schemas, by their types or a required property's const/enum."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    types_a, types_b = _schema_types(a), _schema_types(b)
+    if types_a is not None and types_b is not None and not types_a & types_b:
+        return True
+    values_a, values_b = _const_values(a), _const_values(b)
+    if values_a is not None and values_b is not None and not values_a & values_b:
+        return True
+    if types_a == {"object"} and types_b == {"object"}:
+        props_a, props_b = a.get("properties") or {}, b.get("properties") or {}
+        for name in set(a.get("required") or ()) & set(b.get("required") or ()):
+            va, vb = _const_values(props_a.get(name)), _const_values(props_b.get(name))
+            if va is not None and vb is not None and not va & vb:
+                return True
+    return False
+
+
+def _schema_types(schema: dict) -> set[str] | None:
+    """The JSON types a schema allows (integer inside number), or None when it does not say."""
+    if "type" in schema:
+        value = schema["type"]
+        types = set(value) if isinstance(value, list) else {value}
+    else:
+        values = _const_values(schema)
+        if values is None:
+            return None
+        types = {t for v in values for t in _json_types(json.loads(v))}
+    if "number" in types:
+        types.add("integer")
+    if "integer" in types:
+        types.add("number")  # 1 is both
+    return types
+
+
+def _const_values(schema: object) -> set[str] | None:
+    """A schema's const/enum values as canonical JSON texts, or None when it has neither."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return {json.dumps(schema["const"], sort_keys=True)}
+    if isinstance(schema.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in schema["enum"]}
+    return None
+
+
+def _json_types(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ("null",)
+    if isinstance(value, bool):
+        return ("boolean",)
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return ("integer", "number")
+    if isinstance(value, float):
+        return ("number",)
+    if isinstance(value, str):
+        return ("string",)
+    return ("array",) if isinstance(value, list) else ("object",)
+
+
+def _refuse(keyword: str, path: str, why: str) -> None:
+    raise ValueError(f"{keyword} at {path}: {why}")
+
+
+def _member(name: str) -> str:
+    return f".{name}" if re.fullmatch(r"[A-Za-z_$][A-Za-z0-9_$-]*", name) else f"[{json.dumps(name)}]"
+
+
+def _check_depth(text: str, max_depth: int) -> None:
+    """Refuses JSON nested deeper than ``max_depth`` objects/arrays (counted on the text, before parsing, so
+    a deep document cannot exhaust the parser's recursion)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > max_depth:
+                raise ValueError(f"the schema nests deeper than {max_depth} objects/arrays")
+        elif ch in "]}":
+            depth -= 1
+
+
+def _group_kind(pattern: str, i: int) -> str:
+    rest = pattern[i:]
+    if rest.startswith(("(?=", "(?!")):
+        return "a lookahead"
+    if rest.startswith(("(?<=", "(?<!")):
+        return "a lookbehind"
+    if rest.startswith(("(?<", "(?P")):
+        return "a named group"
+    return "a group modifier (inline flags, atomic group)"
+
+
+def _check_escape(pattern: str, i: int, in_class: bool) -> int:
+    """Checks the escape at ``pattern[i]`` (a backslash); returns the index after it."""
+    if i + 1 >= len(pattern):
+        raise ValueError("a trailing backslash")
+    c = pattern[i + 1]
+    if c in "dDwWsStnrfv":
+        return i + 2
+    if c == "x" and re.fullmatch(r"[0-9A-Fa-f]{2}", pattern[i + 2:i + 4]):
+        return i + 4
+    if c == "u" and re.fullmatch(r"[0-9A-Fa-f]{4}", pattern[i + 2:i + 6]):
+        return i + 6
+    if c in "bB":
+        raise ValueError(f"'\\{c}' at position {i} (a word boundary{', or backspace in a class' if in_class else ''}) "
+                         f"is not supported")
+    if c.isdigit() or c == "k":
+        raise ValueError(f"a backreference '\\{c}' at position {i} is not supported")
+    if c in "pP":
+        raise ValueError(f"a Unicode property escape '\\{c}' at position {i} is not supported")
+    if c.isalnum():
+        raise ValueError(f"the escape '\\{c}' at position {i} is not supported")
+    return i + 2  # an escaped punctuation character: itself
+
+
+def _check_class(pattern: str, i: int) -> int:
+    """Checks the class starting at ``pattern[i]`` ('['); returns the index after its ']'."""
+    j = i + 1
+    if pattern.startswith("^", j):
+        j += 1
+    if pattern.startswith("]", j):
+        raise ValueError(f"an empty class at position {i} (ECMA-262 reads '[]' and '[^]' differently from "
+                         f"other dialects): escape the ']'")
+    while j < len(pattern):
+        c = pattern[j]
+        if c == "\\":
+            j = _check_escape(pattern, j, in_class=True)
+            continue
+        if c == "[":
+            raise ValueError(f"a '[' inside a class at position {j}: escape it")
+        if c == "]":
+            return j + 1
+        j += 1
+    raise ValueError(f"the class at position {i} is not closed")
