@@ -6,9 +6,9 @@ version copied beside ``libtriton_python.so``, and its shared libraries on ``LD_
 
 The server runs in explicit model-control mode with every model loaded at start (``--model-control-mode=explicit
 --load-model=*``): the same models as the default mode, plus the load/unload API, which this launcher needs:
-it drains by unloading every model, it reloads a model whose stub was killed, and a model whose engine has
-died unloads itself so that its readiness turns false (``serve.health``). Pass another
-``--model-control-mode`` to override (and lose those three).
+it drains by unloading every model, and a model whose engine has died unloads itself so that its readiness
+turns false (``serve.health``) and the launcher loads it again. Pass another
+``--model-control-mode`` to override (and lose both).
 
 The control plane is closed (``serve.control``): tritonserver's HTTP, gRPC and metrics services bind
 127.0.0.1 unless ``--triton-host`` (``TRITON_HOST``) says otherwise, and its model-repository, shared-memory,
@@ -22,18 +22,17 @@ are unloaded (each model finishes what is in flight within its grace period, ``s
 stops tritonserver, which has nothing left in flight. Stopping tritonserver directly with requests in flight
 makes Triton 2.51 wait its exit timeout for HTTP connections first, then unload the models with what time is
 left, and exit "immediately" when that runs out, with a segmentation fault or a hang while the stubs still
-run. While running, the launcher also reloads a model whose backend stub was killed (``serve.stub_watch``).
+run. While running, the launcher restarts tritonserver when a backend stub was killed (Triton 2.51 would keep that
+stub's streams open for good), loads again a model whose engine died, restarts a frontend that died, and past
+``--max-restarts`` drains and exits 1 (``serve.supervise``, ``serve.stub_watch``).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import sysconfig
 import time
@@ -45,6 +44,7 @@ import requests
 from serve import control
 from serve.control import admin_headers, restriction_args
 from serve.stub_watch import StubWatch
+from serve.supervise import DEFAULT_MAX_RESTARTS, Child, RestartBudget, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
                              "(their own grace period is the model setting drain_grace_s) before stopping "
                              "tritonserver")
+    parser.add_argument("--max-restarts", type=int, default=int(os.environ.get("MAX_RESTARTS", DEFAULT_MAX_RESTARTS)),
+                        help="restarts of tritonserver (a killed backend stub) or the OpenAI frontend and reloads "
+                             "of a model whose engine died, allowed in any ten minutes; past them the launcher "
+                             "drains and exits 1 (default %(default)s; 0: give up on the first fault)")
     args, extra = parser.parse_known_args(argv)
     if not any(arg.startswith("--exit-timeout-secs") for arg in extra):
         # This process drains before it stops tritonserver, whose exit timeout then only bounds the wait for
@@ -165,9 +169,12 @@ def main(argv: list[str] | None = None) -> None:
         print("+", " ".join(argvs[-1]), flush=True)
     url = f"http://{_connect_host(args.triton_host)}:{args.http_port}"
     headers = admin_headers(key)
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     sys.exit(run_together(argvs, envs,
                           drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short, headers),
-                          watch=lambda children: StubWatch(url, children[0].pid, headers).check))
+                          watch=lambda server_pid, budget: StubWatch(url, server_pid, headers, budget).check,
+                          restart=tuple(range(1, len(argvs))), max_restarts=args.max_restarts))
 
 
 def _connect_host(host: str) -> str:
@@ -215,72 +222,33 @@ def drain_models(http_url: str, timeout: float, cut_short=lambda: False, headers
 
 
 def run_together(argvs: list[list[str]], env: dict[str, str] | list[dict[str, str]] | None, drain=None,
-                 watch=None) -> int:
-    """Runs the commands as children (``env``: one environment for all, or one per command) until the first
-    one ends (or SIGINT/SIGTERM), then stops the others (SIGTERM, SIGKILL after 30 s). Returns the exit
-    status of the first to end; when stopped by a signal, 0 if every child then stopped cleanly (exit status
-    0, or killed by the SIGTERM this process sent it: uvicorn re-raises SIGTERM once it has shut down), else
-    the first other status (a negative status -N, killed by signal N, becomes 128 + N, as a shell reports it).
+                 watch=None, restart: tuple[int, ...] = (), max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
+    """Runs the commands as children (``env``: one environment for all, or one per command) under
+    :class:`serve.supervise.Supervisor` until the first one ends that is not restarted (or SIGINT/SIGTERM),
+    then stops the others (SIGTERM, SIGKILL after 30 s). Returns the exit status of the first to end (1 after
+    giving up on a fault); when stopped by a signal, 0 if every child then stopped cleanly (exit status 0, or
+    killed by the SIGTERM this process sent it: uvicorn re-raises SIGTERM once it has shut down), else the
+    first other status (a negative status -N, killed by signal N, becomes 128 + N, as a shell reports it).
 
-    ``watch(children)`` returns a check run about once a second while they run (``serve.stub_watch``).
-    On SIGINT/SIGTERM, ``drain(cut_short)`` runs first (a second signal makes ``cut_short()`` true). The
-    children run in a session of their own, so a Ctrl-C in a terminal reaches only this process, and each
-    gets SIGTERM should this process die without stopping them (``PR_SET_PDEATHSIG``).
+    ``restart``: indexes of the commands (never 0, tritonserver) started again with backoff when they exit on
+    their own, within ``max_restarts`` restarts in ten minutes. ``watch(server_pid, budget)`` returns a check
+    run about once a second while they run (``serve.stub_watch``). On SIGINT/SIGTERM, and before stopping a
+    running tritonserver after a fault, ``drain(cut_short)`` runs first (a second signal makes ``cut_short()``
+    true). The children run in a session of their own, so a Ctrl-C in a terminal reaches only this process,
+    and each gets SIGTERM should this process die without stopping them (``PR_SET_PDEATHSIG``).
+
+    Raises:
+        ValueError: as many environments as commands are needed; tritonserver (index 0) is never restarted.
     """
     envs = env if isinstance(env, list) else [env] * len(argvs)
     if len(envs) != len(argvs):
         raise ValueError(f"{len(argvs)} commands but {len(envs)} environments")
-    children = [subprocess.Popen(argv, env=child_env, start_new_session=True, preexec_fn=_terminate_with_parent)
-                for argv, child_env in zip(argvs, envs)]
-    stopped: list[int] = []
-    terminated: set[int] = set()
-
-    def stop(signum, frame) -> None:
-        stopped.append(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    status = None
-    check = watch(children) if watch is not None else None
-    last_check = time.monotonic()
-    try:
-        while status is None and not stopped:
-            for child in children:
-                if child.poll() is not None:
-                    status = child.returncode
-                    break
-            else:
-                time.sleep(0.2)
-                if check is not None and time.monotonic() - last_check >= WATCH_INTERVAL_S:
-                    check()
-                    last_check = time.monotonic()
-        if stopped and drain is not None:
-            drain(lambda: len(stopped) > 1)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    for child in children:
-        if child.poll() is None:
-            child.terminate()
-            terminated.add(child.pid)
-    for child in children:
-        try:
-            child.wait(30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    if status is None:  # stopped by a signal: 0 when every child stopped cleanly
-        status = next((child.returncode for child in children if child.returncode != 0
-                       and not (child.pid in terminated and child.returncode == -signal.SIGTERM)), 0)
-    # sys.exit(-15) would exit 241 (the status modulo 256): report death by signal N as a shell does.
-    return 128 - status if status < 0 else status
-
-
-def _terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if 0 in restart:
+        raise ValueError("the first command (tritonserver) is restarted only by its watch")
+    names = ["tritonserver", "OpenAI frontend"] + [f"command {i}" for i in range(2, len(argvs))]
+    children = [Child(names[i], argv, child_env, restart=i in restart)
+                for i, (argv, child_env) in enumerate(zip(argvs, envs))]
+    return Supervisor(children, drain, watch, RestartBudget(max_restarts), WATCH_INTERVAL_S).run()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""Reloads a model whose Python backend stub was killed, for ``python -m serve``.
+"""The launcher's watch on tritonserver's models: a killed backend stub, and an engine that died.
 
-Triton 2.51 keeps a model version READY after its stub process dies (SIGKILL, the OOM killer): every request
-then fails at once with ``Stub process '<model>_0_0' is not healthy``, and nothing in the model can act, its
-process being gone. The launcher can: :class:`StubWatch` lists tritonserver's stub processes (each one's
-command line names its ``<repository>/<model>/<version>/model.py``) and the repository index; a version
-that is READY with no live stub on two checks in a row is broken, and its model is reloaded (unload, then
-load, on a thread of its own; a load of an unchanged loaded model is a no-op in Triton, so both are needed).
-Requests fail fast meanwhile; readiness stays true until the unload begins (Triton's, not ours).
+**A killed stub.** Triton 2.51 keeps a model version READY after its stub process dies (SIGKILL, the OOM
+killer): new requests fail at once with ``Stub process '<model>_0_0' is not healthy``, but the requests that
+stub had in flight are never ended (the Python backend keeps their response factories, which only the stub
+could finish, so their streams stay open), and the version's unload never completes (those factories hold
+the model), whether the model is unloaded first, loaded first or reloaded. :class:`StubWatch` lists
+tritonserver's stub processes (each one's command line names its ``<repository>/<model>/<version>/model.py``)
+and the repository index; a version that is READY with no live stub on two checks in a row is broken, and
+the check asks the launcher to restart tritonserver (``serve.supervise``), the one thing that ends those
+streams.
 
-Triton 2.51 never completes the unload of the dead version (it waits for the dead stub), so that server
-later exits with "Exit timeout expired" (status 1) after its exit timeout; the new version serves.
+**A dead engine.** A model whose engine died unloads itself (``serve.health``). A model that was READY and is
+no longer loaded, without the launcher having asked, is loaded again (on a thread of its own); if the load
+fails, the model cannot recover in this process and the check asks the launcher to give up (drain, exit 1,
+so that an orchestrator restarts the container). Each reload spends the launcher's restart budget.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ from pathlib import Path
 import psutil
 import requests
 
+from serve.supervise import GIVE_UP, RESTART_SERVER, RestartBudget
+
 STUB_NAME = "triton_python_backend_stub"
+LOADED_STATES = ("READY", "LOADING", "UNLOADING")
+LOAD_TIMEOUT_S = 600.0
 
 
 def stub_versions(server_pid: int) -> set[tuple[str, str]]:
@@ -42,43 +50,68 @@ def stub_versions(server_pid: int) -> set[tuple[str, str]]:
     return versions
 
 
-class StubWatch:
-    """``check()`` (from the launcher's loop, about once a second) reloads models that lost a stub."""
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
-    def __init__(self, http_url: str, server_pid: int, headers: dict[str, str] | None = None) -> None:
+
+class StubWatch:
+    """``check()`` (from the launcher's loop, about once a second) returns what the launcher must do: None,
+    :data:`serve.supervise.RESTART_SERVER` (a stub is gone) or :data:`serve.supervise.GIVE_UP` (a model could
+    not be loaded again, or the restart budget is spent)."""
+
+    def __init__(self, http_url: str, server_pid: int, headers: dict[str, str] | None = None,
+                 budget: RestartBudget | None = None) -> None:
         self.http_url = http_url
         self.headers = headers or {}  # the admin key (serve.control): the repository API is restricted
         self.server_pid = server_pid
+        self.budget = budget or RestartBudget()
         self._suspects: set[tuple[str, str]] = set()
+        self._served: set[str] = set()  # models seen READY
         self._reloading: set[str] = set()
+        self._failed: str | None = None
         self.reloads: list[str] = []
 
-    def check(self) -> None:
+    def check(self) -> str | None:
+        if self._failed is not None:
+            return GIVE_UP
         try:
             response = requests.post(f"{self.http_url}/v2/repository/index", json={}, headers=self.headers, timeout=2)
             response.raise_for_status()
             index = response.json()
         except (requests.RequestException, ValueError):
-            return  # not up yet, or stopping (a refused admin key is the launcher's own bug: drain reports it)
+            return None  # not up yet, or stopping (a refused admin key is the launcher's own bug: drain reports it)
         ready = {(m["name"], m["version"]) for m in index if m.get("state") == "READY" and "version" in m}
         broken = ready - stub_versions(self.server_pid)
-        for model, version in broken & self._suspects:
-            if model not in self._reloading:
-                print(f"the stub of model {model!r} version {version} is gone: reloading the model",
-                      file=sys.stderr, flush=True)
-                self._reloading.add(model)
-                threading.Thread(target=self._reload, args=(model,), daemon=True).start()
-        self._suspects = broken
+        suspects, self._suspects = self._suspects, broken
+        if broken & suspects:
+            names = ", ".join(f"{m!r} version {v}" for m, v in sorted(broken & suspects))
+            log(f"the backend stub of model {names} is gone: Triton cannot end its requests in flight; "
+                f"restarting tritonserver")
+            return RESTART_SERVER
+        loaded = {m["name"] for m in index if m.get("state") in LOADED_STATES}
+        self._served |= {name for name, _ in ready}
+        for model in sorted(self._served - loaded - self._reloading):
+            if not self.budget.take():
+                log(f"model {model!r} unloaded itself (its engine died) and the restart budget "
+                    f"({self.budget.limit} in {self.budget.window_s:.0f} s) is spent")
+                return GIVE_UP
+            log(f"model {model!r} unloaded itself (its engine died): loading it again")
+            self._reloading.add(model)
+            threading.Thread(target=self._reload, args=(model,), daemon=True).start()
+        return None
 
     def _reload(self, model: str) -> None:
         try:
-            requests.post(f"{self.http_url}/v2/repository/models/{model}/unload", headers=self.headers, timeout=10)
             response = requests.post(f"{self.http_url}/v2/repository/models/{model}/load", headers=self.headers,
-                                     timeout=600)
-            print(f"reloaded model {model!r}: HTTP {response.status_code} {response.text}", file=sys.stderr,
-                  flush=True)
-            self.reloads.append(model)
+                                     timeout=LOAD_TIMEOUT_S)
+            if response.status_code != 200:
+                self._failed = f"HTTP {response.status_code} {response.text}"
+            else:
+                log(f"loaded model {model!r} again")
+                self.reloads.append(model)
         except requests.RequestException as exc:
-            print(f"could not reload model {model!r}: {exc}", file=sys.stderr, flush=True)
+            self._failed = str(exc)
         finally:
+            if self._failed is not None:
+                log(f"could not load model {model!r} again: {self._failed}")
             self._reloading.discard(model)

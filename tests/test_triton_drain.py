@@ -1,5 +1,5 @@
 """``python -m serve`` under stress: SIGTERM with streams in flight (a drain within the models' grace
-period), and a SIGKILLed backend stub (the launcher reloads the model).
+period), and a SIGKILLed backend stub (the launcher restarts tritonserver).
 
 Each test runs a launcher of its own (``python -m serve``, no OpenAI frontend) on a single model version whose
 grace period (``drain_grace_s``) is 8 s: both leave their server stopped or broken.
@@ -105,8 +105,8 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
 
 def test_killed_stub_fails_requests_fast_and_the_launcher_reloads_the_model(launcher):
     """SIGKILL of the model's stub: a request fails at once (Triton 2.51: ``Stub process ... is not healthy``)
-    instead of hanging, and the launcher notices and reloads the model, which serves again. (A request in
-    flight when the reload's unload begins may wait for the reload: Triton 2.51.)"""
+    instead of hanging, and the launcher notices and restarts tritonserver, which serves again (streams in
+    flight: tests/test_faults.py)."""
     client = LLMClient(launcher.grpc_url, launcher.http_url)
     assert client.generate("Hello", max_tokens=4).num_output_tokens == 4
     (stub,) = [p for p in tritonserver_of(launcher).children() if p.name() == STUB_NAME]
@@ -123,7 +123,7 @@ def test_killed_stub_fails_requests_fast_and_the_launcher_reloads_the_model(laun
         try:
             out = client.generate("Hello", max_tokens=4)
             break
-        except LLMError as exc:
+        except (LLMError, requests.RequestException) as exc:  # refused while tritonserver restarts
             failures.append(str(exc))
         slowest = max(slowest, time.monotonic() - start)
         time.sleep(0.2)
@@ -135,4 +135,4 @@ def test_killed_stub_fails_requests_fast_and_the_launcher_reloads_the_model(laun
     (new_stub,) = [p for p in tritonserver_of(launcher).children()
                    if p.name() == STUB_NAME and p.status() != psutil.STATUS_ZOMBIE]
     assert new_stub.pid != stub.pid
-    assert "reloading the model" in launcher.log()
+    assert "restarting tritonserver" in launcher.log()
