@@ -418,6 +418,7 @@ def picker_values(replica: dict, engine: str) -> dict[str, float]:
     return values
 
 
+@pytest.mark.slow  # two real replicas: minutes
 def test_two_replicas_both_answer_through_the_openai_frontend(replicas):
     from openai import OpenAI
 
@@ -438,6 +439,7 @@ def test_two_replicas_both_answer_through_the_openai_frontend(replicas):
         assert len(rendered["token_ids"]) == chat.usage.prompt_tokens
 
 
+@pytest.mark.slow  # two real replicas: minutes
 def test_probe_paths_answer_on_the_ports_they_name(replicas):
     deployment, started = replicas
     local_ports = {"http": lambda r: r["server"].http_url, "openai": lambda r: r["openai_url"]}
@@ -464,6 +466,7 @@ def wait_idle(replica: dict, timeout: float = 10.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # two real replicas: minutes
 def test_picker_and_adapter_metrics_exist_once_per_pod_and_follow_the_load(replicas):
     _, started = replicas
     busy = started[1]  # max_num_seqs 2: five requests make three wait
@@ -511,6 +514,7 @@ def histogram(samples: list, name: str) -> tuple[float, float]:
     return count[0], total[0]
 
 
+@pytest.mark.slow  # two real replicas: minutes
 def test_frontend_metrics_measure_each_request_under_vllm_names(replicas):
     _, started = replicas
     replica = started[0]
@@ -537,6 +541,7 @@ def test_frontend_metrics_measure_each_request_under_vllm_names(replicas):
         assert len(matching(after, name, {})) == 1, name
 
 
+@pytest.mark.slow  # two real replicas: minutes
 def test_a_replica_publishes_kv_events_a_router_can_decode(replicas):
     _, started = replicas
     replica = started[0]

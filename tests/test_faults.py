@@ -117,6 +117,7 @@ def served(tmp_path_factory, default_model_dir):
 
 
 @pytest.mark.server
+@pytest.mark.slow  # launchers of their own, killed and restarted: minutes
 def test_killed_frontend_ends_its_stream_and_is_started_again(served):
     """SIGKILL of the OpenAI frontend mid-stream: its client's stream breaks at once, Triton's own streams go
     on, the Triton request behind the broken one is cancelled, and the launcher starts the frontend again."""
@@ -139,6 +140,7 @@ def test_killed_frontend_ends_its_stream_and_is_started_again(served):
 
 
 @pytest.mark.server
+@pytest.mark.slow  # launchers of their own, killed and restarted: minutes
 def test_killed_stub_ends_every_stream_with_an_error_and_the_server_serves_again(served):
     """SIGKILL of the model's backend stub mid-stream: Triton 2.51 would keep that stub's streams open for
     good; the launcher restarts tritonserver, so the frontend's SSE stream ends with an error event (503) and
@@ -161,6 +163,7 @@ def test_killed_stub_ends_every_stream_with_an_error_and_the_server_serves_again
 
 
 @pytest.mark.server
+@pytest.mark.slow  # launchers of their own, killed and restarted: minutes
 def test_an_engine_that_cannot_recover_makes_the_launcher_drain_and_exit_1(tmp_path, default_model_dir):
     """An engine that dies (every forward pass fails: ``LLM_FAULT_INJECTION_FILE``) unloads its model; the
     launcher loads it again (budget 1), and when the new engine dies too, drains and exits 1 (the container's

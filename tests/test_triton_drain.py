@@ -19,7 +19,7 @@ from client import LLMClient, LLMError
 from serve.stub_watch import STUB_NAME
 from triton_server import single_version_repository, start_launcher, stop_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
 GRACE_S = 8.0
 SETTINGS = {"max_num_seqs": 8, "num_blocks": 512, "max_model_len": 2048, "drain_grace_s": GRACE_S}
 

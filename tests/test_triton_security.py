@@ -25,7 +25,7 @@ from client import LLMClient, LLMError
 from serve.control import admin_headers
 from triton_server import free_port, single_version_repository, start_launcher, stop_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
 ADMIN_KEY = "admin-0123456789abcdef"
 API_KEY = "api-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

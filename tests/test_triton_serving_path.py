@@ -18,7 +18,7 @@ import tritonclient.grpc.aio as grpcaio
 from backend.zero_cost_runner import zero_cost_token
 from triton_server import settled, single_version_repository, start_server, stop_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
 SETTINGS = {"model_runner": "zero_cost", "max_num_seqs": 64, "num_blocks": 20000, "max_model_len": 4096}
 NUM_STREAMS = 48
 

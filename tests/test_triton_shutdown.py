@@ -15,7 +15,7 @@ import pytest
 from client import LLMClient, LLMError
 from triton_server import start_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
 
 
 def stubs_of(server) -> list[psutil.Process]:
