@@ -186,7 +186,8 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
 
 
 @pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX or AVX512-BF16 on this CPU")
-def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above():
+def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above(monkeypatch):
+    from backend import cpu_ops
     from backend.models.layers import Linear
 
     torch.manual_seed(9)
@@ -198,12 +199,11 @@ def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above():
     original = kernels.cpu.small_gemm
     limit = kernels.cpu.small_gemm_max_rows(torch.bfloat16)
     assert limit in (64, 256) and kernels.cpu.small_gemm_max_rows(torch.float32) == 256  # 64 on AMX tiles
-    try:
-        kernels.cpu.small_gemm = lambda *args: calls.append(args[0].shape[0]) or original(*args)
-        for rows in (0, 1, limit, limit + 1, 300):  # no rows (a step that samples nothing) goes to oneDNN
-            x = torch.randn(rows, 64).bfloat16()
-            torch.testing.assert_close(linear(x).float(), F.linear(x.float(), weight.float(), bias.float()),
-                                       rtol=2 ** -7, atol=1e-3)
-    finally:
-        kernels.cpu.small_gemm = original
+    # The layers reach the kernel through cpu_ops, which binds it on first use: patch that binding.
+    monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args),
+                        raising=False)
+    for rows in (0, 1, limit, limit + 1, 300):  # no rows (a step that samples nothing) goes to oneDNN
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(linear(x).float(), F.linear(x.float(), weight.float(), bias.float()),
+                                   rtol=2 ** -7, atol=1e-3)
     assert calls == [1, limit]
