@@ -277,14 +277,15 @@ def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_mode
     waiting = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5), request_id="wait")
     engine.step()
     assert engine.stats().num_waiting == 1
-    queries = engine.kv_cache_manager.prefix_cache_queries  # admission looks the prompt up first
+    queries = engine.debug_snapshot().prefix_cache_queries  # admission looks the prompt up first
     engine.abort("wait")
     engine.step()
     outs = drain(waiting)
     assert [o.finish_reason for o in outs] == ["abort"] and outs[0].num_output_tokens == 0
     assert outs[0].metrics.first_token_time is None
-    assert "wait" not in engine.kv_cache_manager.block_tables
-    assert engine.kv_cache_manager.prefix_cache_queries == queries and engine.stats().num_waiting == 0
+    snapshot = engine.debug_snapshot()
+    assert "wait" not in snapshot.requests_with_blocks and "run" in snapshot.requests_with_blocks
+    assert snapshot.prefix_cache_queries == queries and engine.stats().num_waiting == 0
     engine.abort("run")
     run_to_completion(engine, {"run": running})
 
