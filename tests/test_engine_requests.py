@@ -318,6 +318,36 @@ def test_stream_interval_sends_the_first_token_then_every_n_and_loses_nothing(en
         held.shutdown()
 
 
+def test_shutdown_aborts_what_is_left_on_the_loop_thread(make_engine, tiny_model_dir):
+    """The loop thread owns the core: told to stop, it ends the running and the waiting request with ``abort``
+    itself; ``shutdown`` finds nothing left to end."""
+    import threading
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    core, calls = engine.engine_core, []
+    abort_all = core.abort_all
+
+    def recorded():
+        ended = abort_all()
+        calls.append((threading.current_thread().name, sorted(r.request_id for r in ended)))
+        return ended
+
+    core.abort_all = recorded
+    engine.start()
+    params = SamplingParams(temperature=0.0, ignore_eos=True)  # max_tokens: up to max_model_len
+    running = engine.add_request([1, 2, 3], params, request_id="running")
+    waiting = engine.add_request([4, 5, 6], params, request_id="waiting")
+    first = running.get(timeout=30)
+    engine.shutdown()
+    outs = {"running": [first] + drain(running), "waiting": drain(waiting)}
+    assert outs["running"][-1].finish_reason == "abort" and outs["running"][-1].done
+    assert [(o.finish_reason, o.done, o.num_output_tokens) for o in outs["waiting"]] == [("abort", True, 0)]
+    assert calls[0] == ("llm-engine-loop", ["running", "waiting"])
+    assert all(ended == [] for _, ended in calls[1:])
+    assert engine.stats().kv.used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.debug_snapshot().running == engine.debug_snapshot().waiting == ()
+
+
 def test_stream_interval_must_be_positive():
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(stream_interval=0)
