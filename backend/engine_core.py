@@ -302,7 +302,8 @@ class EngineCore:
             waiting=tuple(r.request_id for r in self.scheduler.waiting),
             num_preemptions=self.scheduler.make_stats().num_preemptions,
             num_blocks=kv.num_blocks, num_free_blocks=pool.num_free_blocks, num_evictions=pool.num_evictions,
-            prefix_cache_queries=kv.prefix_cache_queries, requests_with_blocks=frozenset(kv.block_tables),
+            prefix_cache_queries=kv.prefix_cache_queries, cached_block_hashes=frozenset(pool.cached_hashes()),
+            requests_with_blocks=frozenset(kv.block_tables),
             sliding_window=kv.sliding_window, model_runner=type(runner).__name__,
             attention_backend=attn_backend.name if attn_backend is not None else None,
             decoder=type(decoder).__name__ if decoder is not None else None)
@@ -319,6 +320,7 @@ class CoreSnapshot:
         num_blocks: KV cache blocks in all; num_free_blocks: free ones now (cached prefixes included);
         num_evictions: cached blocks reused for other content since start.
         prefix_cache_queries: prompt tokens looked up in the prefix cache since start.
+        cached_block_hashes: the full hashes of the blocks the prefix cache can find now.
         requests_with_blocks: ids of the requests that hold KV blocks now.
         sliding_window: the window (tokens) behind which the KV cache frees blocks, or None.
         model_runner: the runner's class name (``ModelRunner`` or ``ZeroCostModelRunner``).
@@ -333,6 +335,7 @@ class CoreSnapshot:
     num_free_blocks: int
     num_evictions: int
     prefix_cache_queries: int
+    cached_block_hashes: frozenset[bytes]
     requests_with_blocks: frozenset[str]
     sliding_window: int | None
     model_runner: str

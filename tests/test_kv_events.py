@@ -93,8 +93,8 @@ def test_replaying_the_events_reproduces_the_pools_cached_blocks(events_engine):
                 assert all(h in full for h in event.block_hashes)
     assert kinds == {"BlockStored", "BlockRemoved"}
     # Each block the events leave stored is one the engine's prefix cache holds, under the same full hash.
-    assert {full[h] for h in state} == pool.cached_hashes()
-    assert len(state) == len(pool.cached_hashes())  # 64-bit wire hashes stay distinct
+    assert {full[h] for h in state} == snapshot.cached_block_hashes
+    assert len(state) == len(snapshot.cached_block_hashes)  # 64-bit wire hashes stay distinct
 
 
 def test_events_are_tagged_maps_with_vllm_0_32_fields(events_engine):
