@@ -9,6 +9,12 @@ Admission control lives here because the inbox does: ``add_requests`` refuses wo
 waiting requests and tokens (:class:`~backend.errors.EngineOverloadedError`), counted against the
 scheduler's waiting queue as of the last step plus the inbox. Deadlines too: each step first ends the
 requests whose ``deadline`` has passed (``FINISHED_TIMEOUT``), waiting or running, freeing their blocks.
+
+Ownership: the scheduler, the KV cache manager (and its block pool) and the model runner belong to the one
+thread that steps the core (the engine's loop thread, or the caller of ``LLMEngine.step`` when no loop
+runs). Other threads reach the core only through the inbox (``add_requests``, ``abort_requests``,
+``wake``), the counters published under the inbox's lock (``num_inbox_requests``, ``num_rejected``) and
+``check_fits``, which reads configuration fixed at construction.
 """
 
 from __future__ import annotations
@@ -62,8 +68,9 @@ class EngineCoreOutput:
 class EngineCore:
     """Owns the KV cache manager, the scheduler and the model runner; steps them.
 
-    ``add_requests``, ``abort_requests``, ``wait_for_work`` and ``wake`` may be called from any thread;
-    everything else from the one thread that steps.
+    ``add_requests``, ``abort_requests``, ``check_fits``, ``num_inbox_requests``, ``wait_for_work`` and
+    ``wake`` may be called from any thread; everything else from the one thread that steps (or, for
+    ``snapshot``, from a thread that holds the stepping thread off, as ``LLMEngine.debug_snapshot`` does).
     """
 
     def __init__(self, config: EngineConfig, model, max_model_len: int, num_blocks: int,
@@ -129,6 +136,15 @@ class EngineCore:
         with self._cond:
             self._aborts.extend(request_ids)
             self._cond.notify()
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Rejects a request that could never run (``Scheduler.check_fits``); reads only the limits fixed at
+        construction (``max_model_len``, the pool's size), so any thread may call it.
+
+        Raises:
+            ValueError: prompt + max_tokens over max_model_len, or more blocks than the whole pool.
+        """
+        self.scheduler.check_fits(prompt_len, max_tokens)
 
     @property
     def num_inbox_requests(self) -> int:
@@ -229,7 +245,12 @@ class EngineCore:
             self._num_waiting_tokens = self.scheduler.num_waiting_tokens
 
     def finish_on_stop_strings(self, requests: list[Request]) -> None:
-        """Ends the requests whose text reached a stop string (found by the output processor this step)."""
+        """Ends the requests whose text reached a stop string (stepping thread).
+
+        The output processor finds stop strings in the text it detokenized this step and reports the
+        requests; the core applies them here, on the stepping thread, before the step's deltas are built.
+        Whether a match ends the request (and as ``stop`` or ``length``) is decided by
+        :func:`backend.stopping.stop_status`, through ``Scheduler.finish_on_stop_string``."""
         for request in requests:
             self.scheduler.finish_on_stop_string(request)
             if request.is_finished:
@@ -246,5 +267,77 @@ class EngineCore:
         self._publish_waiting()
         return ended + failed
 
+    def abort_all(self) -> list[Request]:
+        """Ends every request, queued or not yet taken from the inbox, with ``FINISHED_ABORTED``, freeing
+        their blocks; returns them (stepping thread: the engine's loop thread when it stops)."""
+        ended = self.take_inbox()
+        aborted = list(self._requests.values())
+        self._requests.clear()
+        for request in aborted:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._deadlines.clear()
+        self._publish_waiting()
+        return ended + aborted
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    # -- KV cache events (stepping thread) ----------------------------------------------------------
+    def enable_kv_events(self) -> None:
+        """Makes the block pool record its stored/removed/cleared events (``BlockPool.enable_events``)."""
+        self.kv_cache_manager.pool.enable_events()
+
+    def take_kv_events(self) -> list[tuple]:
+        """The block pool's events since the last call, oldest first (``BlockPool.take_events``)."""
+        return self.kv_cache_manager.pool.take_events()
+
+    # -- inspection (stepping thread, or with it held off) ------------------------------------------
+    def snapshot(self) -> CoreSnapshot:
+        """Plain data on the scheduler, KV cache and model runner, for tests and tools."""
+        kv, pool, runner = self.kv_cache_manager, self.kv_cache_manager.pool, self.model_runner
+        attn_backend = getattr(runner, "attn_backend", None)
+        decoder = getattr(runner, "decoder", None)
+        return CoreSnapshot(
+            running=tuple(r.request_id for r in self.scheduler.running),
+            waiting=tuple(r.request_id for r in self.scheduler.waiting),
+            num_preemptions=self.scheduler.make_stats().num_preemptions,
+            num_blocks=kv.num_blocks, num_free_blocks=pool.num_free_blocks, num_evictions=pool.num_evictions,
+            prefix_cache_queries=kv.prefix_cache_queries, cached_block_hashes=frozenset(pool.cached_hashes()),
+            requests_with_blocks=frozenset(kv.block_tables),
+            sliding_window=kv.sliding_window, model_runner=type(runner).__name__,
+            attention_backend=attn_backend.name if attn_backend is not None else None,
+            decoder=type(decoder).__name__ if decoder is not None else None)
+
+
+@dataclass(frozen=True)
+class CoreSnapshot:
+    """The engine core's state at one moment, as plain data (:meth:`EngineCore.snapshot`).
+
+    Attributes:
+        running: ids of the scheduler's running requests (completion ids when ``n`` > 1), in schedule order.
+        waiting: ids of its waiting requests, in the order they will be admitted.
+        num_preemptions: requests preempted since start.
+        num_blocks: KV cache blocks in all; num_free_blocks: free ones now (cached prefixes included);
+        num_evictions: cached blocks reused for other content since start.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache since start.
+        cached_block_hashes: the full hashes of the blocks the prefix cache can find now.
+        requests_with_blocks: ids of the requests that hold KV blocks now.
+        sliding_window: the window (tokens) behind which the KV cache frees blocks, or None.
+        model_runner: the runner's class name (``ModelRunner`` or ``ZeroCostModelRunner``).
+        attention_backend: the attention backend's name, or None (the zero-cost runner runs no model).
+        decoder: the compact decoder's class name, or None when transformers' model runs (or no model).
+    """
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    num_preemptions: int
+    num_blocks: int
+    num_free_blocks: int
+    num_evictions: int
+    prefix_cache_queries: int
+    cached_block_hashes: frozenset[bytes]
+    requests_with_blocks: frozenset[str]
+    sliding_window: int | None
+    model_runner: str
+    attention_backend: str | None
+    decoder: str | None

@@ -8,6 +8,12 @@ while there is work (continuous batching, Orca, Yu et al. OSDI 2022); it never c
 except to put deltas on sinks. After every step it publishes an :class:`EngineStats` snapshot, which
 ``stats()`` returns to any thread.
 
+Ownership: the engine core (scheduler, KV cache manager and block pool, model runner) and the output
+processor's per-request state are touched only by the thread that steps: the loop thread, or the caller of
+``step()`` when no loop runs. Other threads go through the core's inbox (``add_request``, ``abort``), the
+published stats snapshot (``stats``) or ``debug_snapshot``, which holds the stepping thread off while it
+reads. ``shutdown`` tells the loop to stop; the loop thread itself aborts what is left (see ``shutdown``).
+
 Health (vLLM's ``EngineDeadError``): after ``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row fail, or if the
 loop thread dies, the engine is dead: what is in flight ends with ``error``, ``check_health`` and
 ``add_request`` raise :class:`~backend.errors.EngineDeadError`, and only a new engine serves again.
@@ -31,7 +37,7 @@ from backend.bad_words import bad_words_token_ids
 from backend.block_pool import ALL_BLOCKS_CLEARED
 from backend.config import EngineConfig, resolve_dtype
 from backend.cpu_threads import run_on_fresh_thread
-from backend.engine_core import EngineCore
+from backend.engine_core import CoreSnapshot, EngineCore
 from backend.errors import EngineDeadError
 from backend.model_loader import load_model
 from backend.model_runner import kv_bytes_per_block, kv_shape
@@ -58,14 +64,18 @@ class LLMEngine:
     """Continuous batching over a paged KV cache, driving an unmodified transformers causal LM (or the
     compact decoder of ``backend.models`` where the architecture allows).
 
-    Thread-safe: ``add_request``, ``abort`` and ``stats`` may be called from any thread; the loop thread
-    (``start``) or the caller of ``step`` does all the work. Each request's deltas go to a ``queue.Queue`` of
+    Thread-safe: ``add_request``, ``abort``, ``stats``, ``debug_snapshot``, ``check_health`` and
+    ``shutdown`` may be called from any thread; the loop thread (``start``) or the caller of ``step`` (one
+    of them, never both at once) does all the work. Each request's deltas go to a ``queue.Queue`` of
     :class:`RequestOutput`: each completion's last delta has ``finish_reason`` set, and the request's very
     last delta (of its last completion to finish, when ``n`` > 1) has ``done`` set.
 
     Attributes:
         step_log: None, or a list to which the engine appends the :class:`EngineStats` snapshot taken after
             every step that computed something (benchmarks set it; it grows without bound).
+        engine_core: the :class:`EngineCore` that owns the scheduler, KV cache and model runner. Not part of
+            the serving API: only the stepping thread may touch it beyond its inbox; tests that inject faults
+            into the core reach it here while no loop thread runs. Inspect through ``debug_snapshot``.
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
@@ -79,7 +89,8 @@ class LLMEngine:
         run_on_fresh_thread(lambda: self._build(config))
         self.step_log: list[EngineStats] | None = None
         self._thread: threading.Thread | None = None
-        self._thread_lock = threading.Lock()
+        self._thread_lock = threading.Lock()  # held by start and shutdown
+        self._step_lock = threading.Lock()  # held while the core or the output processor changes
         self._stopping = False
         self._dead: str | None = None  # why the engine is dead, once it is
         self._num_steps = 0
@@ -111,17 +122,13 @@ class LLMEngine:
                                        config.structured_outputs_max_schema_depth,
                                        config.structured_outputs_max_schema_keywords),
             compile_timeout=config.structured_outputs_compile_timeout)
-        # The core's parts, for tests and tools that inspect them.
-        self.kv_cache_manager = self.engine_core.kv_cache_manager
-        self.scheduler = self.engine_core.scheduler
-        self.model_runner = self.engine_core.model_runner
         self.kv_events = None  # the KV cache events publisher, when configured
         if config.kv_events_endpoint is not None:
             from backend.kv_events import KVEventPublisher
 
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
                                               config.kv_events_topic, config.block_size)
-            self.kv_cache_manager.pool.enable_events()
+            self.engine_core.enable_kv_events()
 
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
@@ -180,7 +187,7 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one output token must fit)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        self.scheduler.check_fits(len(prompt_ids), max_tokens)
+        self.engine_core.check_fits(len(prompt_ids), max_tokens)
         make_grammar = None
         if params.structured_outputs is not None:
             compiled = self.grammar_compiler.compile(params.structured_outputs)
@@ -242,49 +249,82 @@ class LLMEngine:
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + core.num_inbox_requests,
                                    num_rejected=core.num_rejected)
 
+    def debug_snapshot(self) -> CoreSnapshot:
+        """The engine core's state as plain data (running and waiting ids, blocks, runner), for tests and
+        tools; not for serving decisions.
+
+        Taken between steps: it waits for the step in progress, if any, to finish (milliseconds to the
+        length of one forward pass), so it never sees a half-applied step.
+        """
+        with self._step_lock:
+            return self.engine_core.snapshot()
+
     # -- the loop -----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Starts the background loop thread (idempotent)."""
+        """Starts the background loop thread (idempotent). After a ``shutdown`` whose loop was still in a
+        step, first waits for that loop to end."""
         with self._thread_lock:
             if self._thread is not None:
-                return
+                if not self._stopping:
+                    return
+                self._thread.join()  # a loop told to stop; it aborts what is left, then ends
             self._stopping = False
             self._thread = threading.Thread(target=self._run_loop, name="llm-engine-loop", daemon=True)
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the loop; requests still in flight end with finish_reason ``abort``."""
+        """Stops the loop; requests still in flight end with finish_reason ``abort``, and the KV cache events
+        publisher (if any) announces the cache cleared and closes.
+
+        Who does the aborting: the loop thread, when it sees the stop (after the step in progress); this
+        call waits up to ``timeout`` seconds for it. When no loop thread runs (never started, or ended after
+        the engine died), this call does it, holding the lock that ``start`` takes, so no other thread steps
+        meanwhile. If the loop is still inside a step after ``timeout``, this call returns without touching
+        the core (logged); the loop thread aborts what is left when that step ends. Requests added after
+        this call returns are never served.
+        """
         with self._thread_lock:
             self._stopping = True
-            thread, self._thread = self._thread, None
-        self.engine_core.wake()
-        if thread is not None:
-            thread.join(timeout)
-        for request_id in self.request_ids():
-            self.abort(request_id)
-        self._deliver(self.output_processor.make_outputs([], self.engine_core.take_inbox(), {}))
-        kv_events, self.kv_events = self.kv_events, None
-        if kv_events is not None:  # the cache goes away with the engine
-            kv_events.publish([*self.kv_cache_manager.pool.take_events(), (ALL_BLOCKS_CLEARED,)])
-            kv_events.shutdown()
+            thread = self._thread
+            self.engine_core.wake()
+            if thread is not None:
+                thread.join(timeout)
+                if thread.is_alive():  # kept in self._thread: start() waits for it
+                    log.warning("engine loop still in a step after %.1f s; it aborts what is left when the "
+                                "step ends", timeout)
+                    return
+            self._thread = None
+            self._abort_all()  # the loop is gone (or already did this: then there is nothing left)
+
+    def _abort_all(self) -> None:
+        """Ends every request with ``abort`` and closes the KV events publisher (stepping thread only)."""
+        with self._step_lock:
+            self._deliver(self.output_processor.make_outputs([], self.engine_core.abort_all(), {}))
+            kv_events, self.kv_events = self.kv_events, None
+            if kv_events is not None:  # the cache goes away with the engine
+                kv_events.publish([*self.engine_core.take_kv_events(), (ALL_BLOCKS_CLEARED,)])
+                kv_events.shutdown()
 
     def _run_loop(self) -> None:
         while True:
             self.engine_core.wait_for_work()
             if self._stopping:
+                self._abort_all()
                 return
             core = self.engine_core
             try:
                 self.step()
             except Exception as exc:  # a bug must not kill the loop: fail what is in flight, keep serving
                 log.exception("engine step failed")
-                core.num_consecutive_failed_steps += 1
-                core.last_step_error = f"engine error: {exc}"
-                self._check_failures()
-                self._deliver(self.output_processor.make_outputs([], core.fail_all(core.last_step_error), {}))
+                with self._step_lock:
+                    core.num_consecutive_failed_steps += 1
+                    core.last_step_error = f"engine error: {exc}"
+                    self._check_failures()
+                    self._deliver(self.output_processor.make_outputs([], core.fail_all(core.last_step_error), {}))
             if self._dead is not None:
                 log.error("%s; refusing requests until restarted", self._dead)
-                self._deliver(self.output_processor.make_outputs([], core.fail_all(self._dead), {}))
+                with self._step_lock:
+                    self._deliver(self.output_processor.make_outputs([], core.fail_all(self._dead), {}))
                 return
 
     def _check_failures(self) -> None:
@@ -298,17 +338,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling + forward + sampling step and delivers the deltas to the sinks.
 
+        Call it from one thread at a time, and not while the loop thread runs (``start``).
+
         Returns:
             The deltas produced (also put on each request's sink).
         """
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         core_out = self.engine_core.step()
         kv_events = self.kv_events
         if kv_events is not None:
-            kv_events.publish(self.kv_cache_manager.pool.take_events())
+            kv_events.publish(self.engine_core.take_kv_events())
         if core_out.sched is not None:
             sched = core_out.sched
             self._num_steps += 1
             self._last_step = (len(sched.scheduled), sched.num_prefills, sched.total_num_scheduled_tokens)
+        # Stop strings live in text, which only the output processor has: it reports the requests whose
+        # text reached one, and the core ends them (the rule is backend.stopping's) before deltas are made.
         stopped = self.output_processor.detokenize(core_out.new_token)
         self.engine_core.finish_on_stop_strings(stopped)
         deltas = self.output_processor.make_outputs(core_out.new_token, core_out.ended, core_out.logprobs,

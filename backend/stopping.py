@@ -1,9 +1,19 @@
 """When a request stops: the one stopping rule, for EOS, stop token ids, stop strings and max_tokens.
 
-The scheduler applies it to each sampled token (``Scheduler.update_from_output``); the output processor
-finds stop strings in the text (``IncrementalDetokenizer``) and the engine hands those matches back to the
-scheduler, which applies the same rule with ``stop_string_matched``. The sampler keeps EOS and stop token
-ids from being drawn inside ``min_tokens`` (``Sampler._apply_min_tokens``).
+The decision is made here and nowhere else; it is applied at two points of one step, both on the thread
+that steps the engine:
+
+1. the scheduler applies it to each sampled token (``Scheduler.update_from_output``: EOS, stop token ids,
+   a terminated grammar, ``max_tokens``);
+2. stop strings live in text, which only the output processor has: it detokenizes the step's tokens
+   (``IncrementalDetokenizer``, checking only while :func:`stop_strings_active`) and reports the requests
+   whose text reached one; the engine core then applies this rule to them with ``stop_string_matched``
+   (``EngineCore.finish_on_stop_strings`` -> ``Scheduler.finish_on_stop_string``), before the step's
+   deltas are built. So the flow is one way per step (core -> output processor -> core), never across
+   threads.
+
+The sampler keeps EOS and stop token ids from being drawn inside ``min_tokens``
+(``Sampler._apply_min_tokens``).
 """
 
 from __future__ import annotations

@@ -72,16 +72,16 @@ def run(num_requests: int, num_blocks: int, max_tokens: int, threads: int | None
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
-    pool = engine.kv_cache_manager.pool
-    publish, take = _Timed(engine.kv_events.publish), _Timed(pool.take_events)
-    engine.kv_events.publish, pool.take_events = publish, take
+    core = engine.engine_core  # this thread steps: it may wrap the core's methods
+    publish, take = _Timed(engine.kv_events.publish), _Timed(core.take_kv_events)
+    engine.kv_events.publish, core.take_kv_events = publish, take
     ids = engine.tokenizer.encode(corpus_text())
     system, step_s = ids[:256], []
     try:
         engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0.0), request_id="warm-up")
         while engine.has_unfinished_requests():  # stepped here, never by the engine's own loop thread
             engine.step()
-        pool.take_events()
+        core.take_kv_events()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for i in range(num_requests):
             start = 300 + (i * 97 + seed) % (len(ids) - 400)
@@ -89,7 +89,7 @@ def run(num_requests: int, num_blocks: int, max_tokens: int, threads: int | None
         publish.seconds = take.seconds = 0.0
         take.items = 0
         encode_before = engine.kv_events.encode_seconds
-        evictions_before = pool.num_evictions
+        evictions_before = engine.debug_snapshot().num_evictions
         while engine.has_unfinished_requests():
             started = time.perf_counter()
             engine.step()
@@ -97,7 +97,7 @@ def run(num_requests: int, num_blocks: int, max_tokens: int, threads: int | None
         time.sleep(0.5)  # let the publisher and the subscriber catch up
         encode_s = engine.kv_events.encode_seconds - encode_before
         batches = engine.kv_events.num_batches
-        evictions = pool.num_evictions - evictions_before
+        evictions = engine.debug_snapshot().num_evictions - evictions_before
     finally:
         stop.set()
         engine.shutdown()

@@ -96,7 +96,7 @@ def run(config: BenchConfig) -> FloorRun:
     engine.add_request([1, 2, 3, 4], greedy(4))  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
-    runner = engine.model_runner
+    runner = engine.engine_core.model_runner  # this thread steps: it may read the core
     model_config = (runner.decoder or runner.model).config
     element_size = runner.kv_caches[0][0].element_size()
     result = FloorRun(workload.total_output_tokens, weight_bytes(model_config, element_size),
@@ -104,7 +104,7 @@ def run(config: BenchConfig) -> FloorRun:
     for r in workload.requests:
         engine.add_request(list(r.prompt_ids), greedy(r.output_len))
     while engine.has_unfinished_requests():
-        cached = sum(r.num_computed_tokens for r in engine.scheduler.running)
+        cached = sum(r.num_computed_tokens for r in engine.engine_core.scheduler.running)
         begin = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - begin

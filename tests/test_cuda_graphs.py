@@ -37,10 +37,10 @@ def test_settings_that_cannot_capture_are_refused(settings, match):
 def test_capture_without_cuda_is_refused(make_engine, tiny_model_dir):
     engine = make_engine(tiny_model_dir, attention_backend="triton")
     with pytest.raises(RuntimeError, match="CUDA device"):
-        engine.model_runner.capture_decode_graphs(4)
+        engine.engine_core.model_runner.capture_decode_graphs(4)
     other = make_engine(tiny_model_dir, attention_backend="torch")  # a backend without graphs: nothing to capture
     with pytest.raises(ValueError, match="triton attention backend"):
-        other.model_runner.capture_decode_graphs(4, emulate=True)
+        other.engine_core.model_runner.capture_decode_graphs(4, emulate=True)
 
 
 def test_padded_decode_batches_match_solo_generate(make_engine, tiny_model_dir, tiny_reference, tokenizer):
@@ -49,7 +49,7 @@ def test_padded_decode_batches_match_solo_generate(make_engine, tiny_model_dir, 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter (set by conftest on machines without a GPU)")
     engine = make_engine(tiny_model_dir, attention_backend="triton", cuda_graphs="emulate", max_num_seqs=5)
-    graphs = engine.model_runner.decode_graphs
+    graphs = engine.engine_core.model_runner.decode_graphs
     assert graphs.sizes == [1, 2, 4, 5]
     batches = []
     run = graphs.run

@@ -90,7 +90,7 @@ def test_chunked_prefill_matches_solo_generate(make_engine, tiny_model_dir, tiny
 def test_other_model_families_match_solo_generate(family, make_engine, tmp_path, tokenizer):
     model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
     engine = make_engine(model_dir, num_blocks=12, max_num_batched_tokens=32)
-    assert type(engine.model_runner.decoder).__name__ == "LlamaDecoder"  # the compact decoder, not transformers'
+    assert engine.debug_snapshot().decoder == "LlamaDecoder"  # the compact decoder, not transformers'
     prompts = mixed_prompts(tokenizer, [9, 40, 17], seed=4)
     check_all(engine, ReferenceModel(model_dir), prompts, 16, family)
 
@@ -167,8 +167,9 @@ def test_every_attention_backend_matches_solo_generate(backend, dtype, model_imp
 
     engine = make_engine(tiny_model_dir, attention_backend=backend, dtype=dtype, model_impl=model_impl,
                          max_num_batched_tokens=20)
-    assert engine.model_runner.attn_backend.name == backend
-    assert (engine.model_runner.decoder is None) == (model_impl == "transformers")
+    snapshot = engine.debug_snapshot()
+    assert snapshot.attention_backend == backend
+    assert (snapshot.decoder is None) == (model_impl == "transformers")
     reference = tiny_reference if dtype == "float32" else ReferenceModel(tiny_model_dir, getattr(torch, dtype))
     check_all(engine, reference, mixed_prompts(tokenizer, [5, 33, 18], seed=9), 20, f"{backend}/{dtype}/{model_impl}")
 
@@ -190,8 +191,8 @@ def test_selector_logs_its_choice_once_and_the_setting_overrides_it(caplog, make
     choices = [r.getMessage() for r in caplog.records if r.name == "backend.attention.selector"]
     auto = "cpu" if cpu_ops.available() else "torch"
     assert len(choices) == 1 and choices[0].startswith(f"attention backend: {auto} (auto"), choices
-    assert engine.model_runner.attn_backend.name == auto
-    assert make_engine(tiny_model_dir, attention_backend="torch").model_runner.attn_backend.name == "torch"
+    assert engine.debug_snapshot().attention_backend == auto
+    assert make_engine(tiny_model_dir, attention_backend="torch").debug_snapshot().attention_backend == "torch"
     with pytest.raises(ValueError, match="'cpu' is not available here: the C.. kernels run on CPU.*available: torch"):
         select_attention_backend("cpu", torch.device("meta"), torch.float32, 16)
     with pytest.raises(ValueError, match="'triton' is not available here: head_dim 24"):
@@ -239,7 +240,7 @@ def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, nu
     model_dir = build_tiny_model(tmp_path / family, family, tokenizer)
     engine = make_engine(model_dir, dtype=dtype, num_blocks=64 if num_requests < 64 else 512,
                          max_num_batched_tokens=64 if num_requests < 64 else 4096)
-    decoder = engine.model_runner.decoder
+    decoder = engine.engine_core.model_runner.decoder  # patched below: the core itself
     if not decoder.decode_in_one_call:
         pytest.skip("no C++ kernels or small-batch GEMMs on this machine")
     forward, steps = type(decoder).final_hidden, []

@@ -277,14 +277,15 @@ def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_mode
     waiting = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5), request_id="wait")
     engine.step()
     assert engine.stats().num_waiting == 1
-    queries = engine.kv_cache_manager.prefix_cache_queries  # admission looks the prompt up first
+    queries = engine.debug_snapshot().prefix_cache_queries  # admission looks the prompt up first
     engine.abort("wait")
     engine.step()
     outs = drain(waiting)
     assert [o.finish_reason for o in outs] == ["abort"] and outs[0].num_output_tokens == 0
     assert outs[0].metrics.first_token_time is None
-    assert "wait" not in engine.kv_cache_manager.block_tables
-    assert engine.kv_cache_manager.prefix_cache_queries == queries and engine.stats().num_waiting == 0
+    snapshot = engine.debug_snapshot()
+    assert "wait" not in snapshot.requests_with_blocks and "run" in snapshot.requests_with_blocks
+    assert snapshot.prefix_cache_queries == queries and engine.stats().num_waiting == 0
     engine.abort("run")
     run_to_completion(engine, {"run": running})
 
@@ -315,6 +316,36 @@ def test_stream_interval_sends_the_first_token_then_every_n_and_loses_nothing(en
         assert tokens(first + outs) == held_want[:4] and outs[-1].num_output_tokens == 4
     finally:
         held.shutdown()
+
+
+def test_shutdown_aborts_what_is_left_on_the_loop_thread(make_engine, tiny_model_dir):
+    """The loop thread owns the core: told to stop, it ends the running and the waiting request with ``abort``
+    itself; ``shutdown`` finds nothing left to end."""
+    import threading
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    core, calls = engine.engine_core, []
+    abort_all = core.abort_all
+
+    def recorded():
+        ended = abort_all()
+        calls.append((threading.current_thread().name, sorted(r.request_id for r in ended)))
+        return ended
+
+    core.abort_all = recorded
+    engine.start()
+    params = SamplingParams(temperature=0.0, ignore_eos=True)  # max_tokens: up to max_model_len
+    running = engine.add_request([1, 2, 3], params, request_id="running")
+    waiting = engine.add_request([4, 5, 6], params, request_id="waiting")
+    first = running.get(timeout=30)
+    engine.shutdown()
+    outs = {"running": [first] + drain(running), "waiting": drain(waiting)}
+    assert outs["running"][-1].finish_reason == "abort" and outs["running"][-1].done
+    assert [(o.finish_reason, o.done, o.num_output_tokens) for o in outs["waiting"]] == [("abort", True, 0)]
+    assert calls[0] == ("llm-engine-loop", ["running", "waiting"])
+    assert all(ended == [] for _, ended in calls[1:])
+    assert engine.stats().kv.used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.debug_snapshot().running == engine.debug_snapshot().waiting == ()
 
 
 def test_stream_interval_must_be_positive():

@@ -27,7 +27,7 @@ def test_waiting_bound_refuses_at_once_and_admitted_requests_finish(make_engine,
         engine.add_request([1], LONG, request_id="c")
     results = run_to_completion(engine, sinks)
     assert all(outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 40 for outs in results.values())
-    assert engine.stats().num_rejected == 2 and engine.kv_cache_manager.usage().used_blocks == 0
+    assert engine.stats().num_rejected == 2 and engine.stats().kv.used_blocks == 0
     run_to_completion(engine, {"d": engine.add_request(list(range(1, 99)), LONG, request_id="d")})  # ... nor d
 
 
@@ -45,7 +45,7 @@ def test_deadline_ends_waiting_and_running_requests_with_partial_output(make_eng
     assert 0 < outs["running"][-1].num_output_tokens == sum(len(o.token_ids) for o in outs["running"])
     assert 0.3 <= outs["running"][-1].metrics.e2e_latency < 0.3 + 0.25
     assert time.monotonic() - start < 1.0
-    assert engine.kv_cache_manager.usage().used_blocks == 0 and engine.stats().finished["timeout"] == 2
+    assert engine.stats().kv.used_blocks == 0 and engine.stats().finished["timeout"] == 2
     with pytest.raises(ValueError, match="timeout must be a positive"):
         engine.add_request([1], params, timeout=0)
 
@@ -56,8 +56,8 @@ def test_lower_priority_value_is_admitted_first_and_higher_value_is_preempted_fi
     sinks = {rid: engine.add_request([1, 2, 3], params, request_id=rid, priority=p)
              for rid, p in (("low1", 5), ("low2", 5), ("high", -1), ("mid", 0))}
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["high", "mid"]
-    assert [r.request_id for r in engine.scheduler.waiting] == ["low1", "low2"]
+    assert list(engine.debug_snapshot().running) == ["high", "mid"]
+    assert list(engine.debug_snapshot().waiting) == ["low1", "low2"]
     run_to_completion(engine, sinks)
 
     # 4 blocks of 16 tokens: two 20-token prompts fit (2 blocks each); the first decode past 32 tokens needs a
@@ -69,7 +69,7 @@ def test_lower_priority_value_is_admitted_first_and_higher_value_is_preempted_fi
     sinks["high"] = engine.add_request(list(range(21, 41)), params, request_id="high", priority=0)
     while engine.stats().num_preemptions == 0:
         engine.step()
-    assert [r.request_id for r in engine.scheduler.waiting] == ["low"]
+    assert list(engine.debug_snapshot().waiting) == ["low"]
     results = run_to_completion(engine, sinks)
     assert all(outs[-1].num_output_tokens == 20 for outs in results.values())
 
@@ -84,8 +84,8 @@ def test_waiting_high_priority_request_preempts_the_lowest_priority_running_one(
     engine.step()
     sinks["high"] = engine.add_request([4, 5, 6], params, request_id="high", priority=0)
     engine.step()
-    assert [r.request_id for r in engine.scheduler.running] == ["low1", "high"]
-    assert [r.request_id for r in engine.scheduler.waiting] == ["low2"] and engine.stats().num_preemptions == 1
+    assert list(engine.debug_snapshot().running) == ["low1", "high"]
+    assert list(engine.debug_snapshot().waiting) == ["low2"] and engine.stats().num_preemptions == 1
     results = run_to_completion(engine, sinks)
     want, _ = tiny_reference.greedy([1, 2, 3], 12)
     assert [t for o in results["low2"] for t in o.token_ids] == want  # recomputed: the same greedy tokens
@@ -99,11 +99,11 @@ def test_waiting_high_priority_request_preempts_the_lowest_priority_running_one(
         engine.step()
         sinks["high"] = engine.add_request(list(range(41, 61)), params, request_id="high", priority=high_priority)
         engine.step()
-        running = [r.request_id for r in engine.scheduler.running]
+        running = list(engine.debug_snapshot().running)
         assert running == (["high"] if preempted else ["low"]), running
         results = run_to_completion(engine, sinks)
         assert all(outs[-1].num_output_tokens == 12 for outs in results.values())
-        assert engine.kv_cache_manager.usage().used_blocks == 0
+        assert engine.stats().kv.used_blocks == 0
 
 
 def test_failing_forward_fails_its_requests_then_a_permanent_fault_kills_the_engine(

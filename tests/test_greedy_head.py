@@ -106,7 +106,7 @@ def test_the_engine_takes_the_head_for_plain_greedy_rows_only(make_engine, tiny_
     """Plain greedy requests go through the head (and match transformers' generate); a greedy request that wants
     logprobs gets the full logits, and the same tokens."""
     engine = make_engine(tiny_model_dir)
-    head = engine.model_runner.decoder.greedy_head
+    head = engine.engine_core.model_runner.decoder.greedy_head
     assert head is not None
     prompt = [5, 17, 301, 42, 9]
     want, _ = tiny_reference.greedy(prompt, 12)

@@ -73,8 +73,8 @@ def rebuild_hashes(full: dict[int, bytes], event: BlockStored) -> None:
 def test_replaying_the_events_reproduces_the_pools_cached_blocks(events_engine):
     engine, subscriber = events_engine
     run_workload(engine)
-    pool = engine.kv_cache_manager.pool
-    assert engine.scheduler.make_stats().num_preemptions > 0 and pool.num_evictions > 0
+    snapshot = engine.debug_snapshot()
+    assert snapshot.num_preemptions > 0 and snapshot.num_evictions > 0
     messages = receive_all(subscriber)
     assert [int.from_bytes(m[1], "big") for m in messages] == list(range(len(messages)))  # no gap, from 0
     assert {m[0] for m in messages} == {b"kv@10.0.0.7:9000@llm"}  # the topic, its $VAR expanded
@@ -93,8 +93,8 @@ def test_replaying_the_events_reproduces_the_pools_cached_blocks(events_engine):
                 assert all(h in full for h in event.block_hashes)
     assert kinds == {"BlockStored", "BlockRemoved"}
     # Each block the events leave stored is one the engine's prefix cache holds, under the same full hash.
-    assert {full[h] for h in state} == pool.cached_hashes()
-    assert len(state) == len(pool.cached_hashes())  # 64-bit wire hashes stay distinct
+    assert {full[h] for h in state} == snapshot.cached_block_hashes
+    assert len(state) == len(snapshot.cached_block_hashes)  # 64-bit wire hashes stay distinct
 
 
 def test_events_are_tagged_maps_with_vllm_0_32_fields(events_engine):

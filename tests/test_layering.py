@@ -62,3 +62,17 @@ def test_model_code_calls_one_attention_function():
     assert "backend.attention.attention" in names
     assert not {n for n in names if n.startswith("kernels") or n.startswith("backend.attention.")
                 and n.split(".")[2] in ("cpu", "torch_sdpa", "triton", "selector")}
+
+
+def test_the_engine_facade_reaches_the_core_only_through_its_methods():
+    """``LLMEngine`` neither keeps nor reads the core's parts: the scheduler, the KV cache manager (and its
+    pool) and the model runner belong to the stepping thread, behind ``EngineCore``'s methods; tests and tools
+    inspect them through ``debug_snapshot``."""
+    tree = ast.parse((BACKEND / "llm_engine.py").read_text())
+    parts = {"scheduler", "kv_cache_manager", "model_runner", "pool"}
+    reached = sorted({ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                      and node.attr in parts and not ast.unparse(node.value).endswith("config")})  # settings
+    assert reached == []
+    from backend.llm_engine import LLMEngine
+
+    assert not parts & set(dir(LLMEngine))

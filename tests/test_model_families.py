@@ -95,7 +95,7 @@ def test_family_matches_transformers_generate_with_chunked_prefill_and_preemptio
     uniform_window = name in UNIFORM_WINDOW
     engine = make_engine(model_dir, block_size=4, num_blocks=8 if uniform_window else 14, max_num_batched_tokens=16,
                          max_model_len=128)
-    assert (engine.kv_cache_manager.sliding_window is not None) == uniform_window
+    assert (engine.debug_snapshot().sliding_window is not None) == uniform_window
     check_greedy(engine, model_dir, prompts_for(tokenizer, [30, 21, 9], seed=1), 16, name)
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
@@ -116,7 +116,7 @@ def test_sliding_window_model_stops_growing_its_kv_blocks(family_dir, tokenizer,
     request holds at most cdiv(8 - 1 + 1, 4) + 1 = 3 blocks however long its context."""
     model_dir = family_dir("mistral-window")
     engine = make_engine(model_dir, block_size=4, max_model_len=128)
-    assert engine.kv_cache_manager.sliding_window == WINDOW
+    assert engine.debug_snapshot().sliding_window == WINDOW
     sink = engine.add_request(prompts_for(tokenizer, [6], seed=3)[0], SamplingParams(max_tokens=60, **GREEDY), "0")
     used = []
     while engine.has_unfinished_requests():
@@ -132,7 +132,7 @@ def test_hybrid_window_model_keeps_every_block(family_dir, tokenizer, make_engin
     """Gemma 3's global layers need the whole context, so no block is freed (the documented cost)."""
     model_dir = family_dir("gemma3-text-local-global")
     engine = make_engine(model_dir, block_size=4, max_model_len=128)
-    assert engine.kv_cache_manager.sliding_window is None
+    assert engine.debug_snapshot().sliding_window is None
     assert [layer.sliding_window for layer in engine.model_attention.layers] == [WINDOW, None]
     engine.add_request(prompts_for(tokenizer, [6], seed=3)[0], SamplingParams(max_tokens=30, **GREEDY), "0")
     peak = 0

@@ -72,7 +72,7 @@ def test_whole_prompt_cached_still_computes_its_last_token(make_engine, tiny_mod
 def test_forced_hash_collision_never_returns_wrong_kv(make_engine, tiny_model_dir, engines):
     _, plain = engines
     engine = make_engine(tiny_model_dir, num_blocks=64)
-    engine.kv_cache_manager.pool.hash_fn = lambda parent, token_ids: b"every block collides"
+    engine.engine_core.kv_cache_manager.pool.hash_fn = lambda parent, token_ids: b"every block collides"
     a = list(range(400, 400 + 2 * BLOCK + 3))
     b = list(range(500, 500 + BLOCK)) + a[BLOCK:]  # same second block, different first block
     for i, prompt in enumerate([a, b, a]):
@@ -84,9 +84,9 @@ def test_evicted_blocks_are_reused_and_nothing_leaks(make_engine, tiny_model_dir
     engine = make_engine(tiny_model_dir, num_blocks=12, max_num_batched_tokens=40)
     for i in range(10):  # each request caches ~3 blocks: the pool must evict old prefixes
         run_one(engine, list(range(1000 + 40 * i, 1000 + 40 * i + 40)), request_id=f"e{i}")
-    pool = engine.kv_cache_manager.pool
-    assert pool.num_evictions > 0
-    assert engine.stats().kv.used_blocks == 0 and pool.num_free_blocks == 12
+    snapshot = engine.debug_snapshot()
+    assert snapshot.num_evictions > 0
+    assert engine.stats().kv.used_blocks == 0 and snapshot.num_free_blocks == 12
 
 
 def test_parallel_sampling_streams_each_completion_with_its_index(make_engine, tiny_model_dir):
@@ -140,7 +140,7 @@ def test_cancelling_parallel_sampling_stops_all_and_frees_every_block(make_engin
     engine.abort("other")
     run_to_completion(engine, {"other": other})
     assert engine.stats().kv.used_blocks == 0
-    assert engine.kv_cache_manager.pool.num_free_blocks == 16
+    assert engine.debug_snapshot().num_free_blocks == 16
 
 
 def test_abort_during_the_prompt_ends_every_completion(make_engine, tiny_model_dir):
@@ -171,7 +171,7 @@ def test_failed_forward_pass_leaves_no_blocks_in_the_prefix_cache(make_engine, t
     def fail(sched):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.model_runner, "execute", fail)
+    monkeypatch.setattr(engine.engine_core.model_runner, "execute", fail)
     outs = run_one(engine, prompt, request_id="failed")
     assert [o.finish_reason for o in outs] == ["error"] and "device lost" in outs[0].error and outs[0].done
     monkeypatch.undo()

@@ -26,7 +26,7 @@ def test_zero_cost_token_cycles_and_skips_eos():
 
 def test_engine_streams_each_request_its_tokens_to_max_tokens(make_engine, tiny_model_dir, tokenizer):
     engine = make_engine(tiny_model_dir, model_runner="zero_cost", max_num_batched_tokens=64)
-    assert engine.model_runner.__class__ is ZeroCostModelRunner
+    assert engine.debug_snapshot().model_runner == ZeroCostModelRunner.__name__
     vocab = engine.model_config.vocab_size
     prompts = {"short": [5, 6, 7], "chunked": list(range(100, 200)), "eos_kept": [9] * 20}  # 100 > 64: two chunks
     params = {"short": SamplingParams(max_tokens=70, ignore_eos=True),
@@ -40,7 +40,7 @@ def test_engine_streams_each_request_its_tokens_to_max_tokens(make_engine, tiny_
         assert all(len(o.token_ids) == 1 for o in outs)  # one delta per step, as with the real runner
         assert outs[-1].finish_reason == "length" and outs[-1].done
         assert "".join(o.text for o in outs) == tokenizer.decode(want)
-    assert engine.kv_cache_manager.usage().used_blocks == 0
+    assert engine.stats().kv.used_blocks == 0
 
 
 def test_stop_strings_still_end_requests_through_the_output_processor(make_engine, tiny_model_dir, tokenizer):
