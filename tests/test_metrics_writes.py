@@ -66,4 +66,5 @@ def test_only_changed_values_are_written():
         ("llm_generation_tokens_total", None, "increment", 3),
         ("llm_engine_steps_total", None, "increment", 1),
         ("nv_trt_llm_request_metrics", "active", "set", 4),
+        ("vllm:num_requests_running", None, "set", 4),  # vLLM's names, on by default
     }
