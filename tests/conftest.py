@@ -161,24 +161,8 @@ def check_all(engine, reference, prompts, max_tokens, label):
 def frontend(triton_server):
     """The OpenAI frontend, served in-process by uvicorn in front of the test run's tritonserver: its base URL
     (``http://127.0.0.1:<port>``)."""
-    import threading
-    import time
-
-    import uvicorn
-
     from openai_frontend.app import FrontendConfig, create_app
-    from triton_server import free_port
+    from triton_server import serve_app
 
-    port = free_port()
-    config = uvicorn.Config(create_app(FrontendConfig(triton_url=triton_server.grpc_url)), host="127.0.0.1",
-                            port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the frontend did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(create_app(FrontendConfig(triton_url=triton_server.grpc_url))) as url:
+        yield url

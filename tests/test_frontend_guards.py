@@ -10,19 +10,17 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import requests
-import uvicorn
 
 from openai_frontend.app import FrontendConfig, create_app
 from openai_frontend.auth import load_api_key
 from openai_frontend.limits import Limits
 from serve import control
 from serve.launch import REPO_ROOT
-from triton_server import free_port
+from triton_server import free_port, serve_app
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -31,19 +29,10 @@ LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def frontend():
-    port = free_port()
     config = FrontendConfig(triton_url=f"127.0.0.1:{free_port()}", api_key=KEY,
                             limits=Limits(max_request_body_bytes=LIMIT, max_prompts_per_request=16))
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the frontend did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(create_app(config)) as url:
+        yield url
 
 
 def test_api_key_missing_or_wrong_is_401_in_openai_shape(frontend):

@@ -13,14 +13,12 @@ import json
 import os
 import re
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from triton_server import free_port, single_version_repository, start_server, stop_server
+from triton_server import serve_app, single_version_repository, start_server, stop_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -32,27 +30,18 @@ LEAKS = re.compile(r"Traceback|File \"|\.py\b|<class |pydantic|site-packages|/wo
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, default_model_dir):
-    import uvicorn
-
     from openai_frontend.app import FrontendConfig, create_app
 
     root = tmp_path_factory.mktemp("fuzz")
     repository = single_version_repository(root / "models", SETTINGS)
     server = start_server(root / "tritonserver.log", model_repository=repository)
-    port = free_port()
     app = create_app(FrontendConfig(triton_url=server.grpc_url, model_repository=repository,
                                     triton_metrics_url=server.metrics_url))
-    frontend = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=frontend.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not frontend.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the frontend did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", root
-    frontend.should_exit = True
-    thread.join(10)
-    stop_server(server)
+    try:
+        with serve_app(app) as url:
+            yield url, root
+    finally:
+        stop_server(server)
 
 
 def test_schemathesis_finds_no_server_error_hang_or_leak(stack):

@@ -84,6 +84,32 @@ def free_port() -> int:
 DEFAULT_VERSION_POLICY = "version_policy: { latest: { num_versions: 1 } }"  # model_repository/llm/config.pbtxt
 
 
+def serve_app(app):
+    """Serves an ASGI app with uvicorn on a free loopback port, on a thread of its own, as a context manager
+    that yields its base URL and stops it on exit."""
+    import contextlib
+    import threading
+
+    import uvicorn
+
+    @contextlib.contextmanager
+    def running():
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the app did not start"
+            time.sleep(0.05)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            thread.join(10)
+    return running()
+
+
 def copy_repository(target: Path, version_settings: dict[str, dict]) -> Path:
     """A copy of the project's model repository at ``target`` serving every version (``version_policy: { all: {} }``
     instead of the newest only), whose versions' ``engine.json`` are replaced by ``version_settings`` (version ->
