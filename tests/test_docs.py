@@ -23,8 +23,8 @@ SKIPPED_DIRS = {"build", "results", "site", "node_modules", "__pycache__"}
 WORK_LOG = [
     (re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE), "an issue number"),
     (re.compile(r"#\d+'s\b|\bPR\s*#?\d+"), "an issue or pull-request number"),
-    (re.compile(r"\bclosing\s+notes?\b", re.IGNORECASE), "a closing note"),
-    (re.compile(r"\breview[e]rs?\b", re.IGNORECASE), "a reviewer"),
+    (re.compile(r"\bclosing\s+notes?\b", re.IGNORECASE), "a work-log note (closing)"),
+    (re.compile(r"\breview[e]rs?\b", re.IGNORECASE), "a review credit"),
     (re.compile(r"\bsessions?\b", re.IGNORECASE), "a work session"),
     (re.compile(r"\b\d+(?:\.\d+)?\s*(?:->|→)\s*\d+(?:\.\d+)?\s*(?:ms|us|s|GB/s|tokens/s)\b"),
      "a before/after timing"),
