@@ -96,4 +96,8 @@ class TritonBackend(AttentionBackend):
             return "the triton package is not installed"
         if head_dim < 16 or head_dim & (head_dim - 1):
             return f"head_dim {head_dim} (the kernels take powers of two >= 16)"
+        if device.type != "cuda" and dtype != torch.float32:
+            # Under the interpreter bf16/fp16 are emulated on the CPU: their results diverge from transformers'
+            # beyond rounding (seen: greedy picks apart by 6 bf16 ulps of the logit), so only fp32 is offered.
+            return f"the Triton interpreter on CPU runs the kernels in float32 only (got {dtype})"
         return None
