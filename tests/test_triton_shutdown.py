@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of it
 
 def stubs_of(server) -> list[psutil.Process]:
     stubs = psutil.Process(server.process.pid).children(recursive=True)
-    assert len(stubs) == 2, "the Python backend runs each model version (1 and 2) in a stub process"
+    assert len(stubs) == 1, "the Python backend runs the served version (the newest, 2) in a stub process"
     return stubs
 
 
