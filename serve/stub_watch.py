@@ -10,9 +10,10 @@ and the repository index; a version that is READY with no live stub on two check
 the check asks the launcher to restart tritonserver (``serve.supervise``), the one thing that ends those
 streams.
 
-**A dead engine.** A model whose engine died unloads itself (``serve.health``). A model that was READY and is
-no longer loaded, without the launcher having asked, is loaded again (on a thread of its own); if the load
-fails, the model cannot recover in this process and the check asks the launcher to give up (drain, exit 1,
+**A dead engine.** A model whose engine died unloads itself (``serve.health``). A model that the watch has
+seen loaded (READY, LOADING or UNLOADING: an engine can die, and its model start unloading, within a second
+of turning READY, before any check saw it READY) and that is no longer loaded, without the launcher having
+asked, is loaded again (on a thread of its own); if the load fails, the model cannot recover in this process and the check asks the launcher to give up (drain, exit 1,
 so that an orchestrator restarts the container). Each reload spends the launcher's restart budget.
 """
 
@@ -66,7 +67,7 @@ class StubWatch:
         self.server_pid = server_pid
         self.budget = budget or RestartBudget()
         self._suspects: set[tuple[str, str]] = set()
-        self._served: set[str] = set()  # models seen READY
+        self._served: set[str] = set()  # models seen loaded
         self._reloading: set[str] = set()
         self._failed: str | None = None
         self.reloads: list[str] = []
@@ -89,7 +90,7 @@ class StubWatch:
                 f"restarting tritonserver")
             return RESTART_SERVER
         loaded = {m["name"] for m in index if m.get("state") in LOADED_STATES}
-        self._served |= {name for name, _ in ready}
+        self._served |= loaded
         for model in sorted(self._served - loaded - self._reloading):
             if not self.budget.take():
                 log(f"model {model!r} unloaded itself (its engine died) and the restart budget "

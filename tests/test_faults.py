@@ -245,3 +245,70 @@ def test_the_restart_budget_counts_within_its_window():
     time.sleep(0.35)
     assert budget.take()
     assert not RestartBudget(limit=0).take()
+
+
+class RepositoryStandIn:
+    """An HTTP server answering ``/v2/repository/index`` with scripted states and recording model loads: the
+    watch's view of Triton, for timings the real server cannot be made to hit on demand."""
+
+    def __init__(self, states: list[str]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.states, self.loads = list(states), []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/v2/repository/index":
+                    state = outer.states.pop(0) if len(outer.states) > 1 else outer.states[0]
+                    body = json.dumps([{"name": "llm", "version": "1", "state": state}]).encode()
+                else:
+                    outer.loads.append(self.path)
+                    outer.states = ["READY"]
+                    body = b"{}"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("first_seen", ["READY", "UNLOADING", "LOADING"])
+def test_a_model_that_unloads_itself_is_loaded_again_even_if_never_seen_ready(first_seen):
+    """An engine can die, and its model start unloading, within a second of turning READY: the watch's first
+    look may find it UNLOADING already. Seen loaded in any state, then gone: loaded again, once."""
+    from serve.stub_watch import StubWatch
+
+    triton = RepositoryStandIn([first_seen, "UNAVAILABLE"])
+    try:
+        watch = StubWatch(triton.url, server_pid=psutil.Process().pid)
+        assert watch.check() is None  # first look: loaded (READY with no stub would need two looks to act)
+        assert watch.check() is None  # gone: a reload starts on a thread of its own
+        deadline = time.monotonic() + 5
+        while not watch.reloads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert triton.loads == ["/v2/repository/models/llm/load"] and watch.reloads == ["llm"]
+        assert watch.check() is None and len(triton.loads) == 1
+    finally:
+        triton.server.shutdown()
+
+
+def test_a_model_never_seen_loaded_is_not_loaded_by_the_watch():
+    """A model that was never loaded (unavailable from the first look) is the operator's choice: no load."""
+    from serve.stub_watch import StubWatch
+
+    triton = RepositoryStandIn(["UNAVAILABLE"])
+    try:
+        watch = StubWatch(triton.url, server_pid=psutil.Process().pid)
+        assert watch.check() is None and watch.check() is None
+        time.sleep(0.3)
+        assert triton.loads == []
+    finally:
+        triton.server.shutdown()
