@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backend.fan_in import Completion, FanIn
 from openai_frontend import metrics
 from openai_frontend.auth import protect
 from openai_frontend.chat_template import render_chat
@@ -259,13 +260,19 @@ async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str 
 
 @dataclass
 class _Choice:
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_output_tokens: int = 0
-    logprobs: list = field(default_factory=list)
+    """One choice as answered: its completion's deltas (``backend.fan_in``) and how they are presented."""
+
+    completion: Completion
+    echoed: str = ""  # the prompt, with echo: before the completion's text
+    chars_sent: int = 0  # characters of the answer so far (logprobs' text_offset)
+    logprobs: list = field(default_factory=list)  # (token, logprob, top) entries, echoed prompt tokens first
     started: bool = False
     role_sent: bool = False
     tool_parser: ToolCallParser | None = None  # chat with tools: splits the reply into content and tool calls
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completion.finish_reason
 
 
 @dataclass
@@ -289,7 +296,8 @@ class _View:
     # has no logprobs entry either.
     end_token_ids: frozenset[int] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
-    choices: dict[int, _Choice] = field(default_factory=dict)
+    choices: dict[int, _Choice] = field(default_factory=dict)  # choice index -> its state
+    completions: FanIn = field(default_factory=FanIn)  # choice index (prompt index * n + completion) -> deltas
     num_input_tokens: dict[int, int] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)
     raw_prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> vLLM's form
@@ -297,9 +305,11 @@ class _View:
     def add(self, prompt_index: int, delta: Delta) -> tuple[int, _Choice, str, object]:
         """Records a delta; returns (choice index, its state, the new text, the new logprobs or None)."""
         index = prompt_index * self.n + delta.index
+        completion = self.completions.add(delta, index)
         choice = self.choices.get(index)
         if choice is None:
-            choice = self.choices[index] = _Choice(tool_parser=ToolCallParser(self.tools) if self.tools else None)
+            choice = self.choices[index] = _Choice(completion,
+                                                   tool_parser=ToolCallParser(self.tools) if self.tools else None)
         if delta.prompt_logprobs is not None:
             self.raw_prompt_logprobs[prompt_index] = delta.prompt_logprobs
         text = "" if self.echo_only else delta.text
@@ -307,20 +317,23 @@ class _View:
         if entries and delta.finish_reason and delta.token_ids and delta.token_ids[-1] in self.end_token_ids:
             entries = entries[:-1]
         if self.echo and not choice.started:
-            text = self.prompts[prompt_index] + text
+            choice.echoed = self.prompts[prompt_index]
+            text = choice.echoed + text
             if self.top_n is not None:
                 entries = self._prompt_entries(prompt_index) + entries
         choice.started = True
-        choice.text.append(text)
-        choice.finish_reason = delta.finish_reason or choice.finish_reason
-        choice.num_output_tokens = 0 if self.echo_only else delta.num_output_tokens
+        offset, choice.chars_sent = choice.chars_sent, choice.chars_sent + len(text)
         self.num_input_tokens[prompt_index] = delta.num_input_tokens
         self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
         new_logprobs = None
         if self.top_n is not None:
             choice.logprobs.extend(entries)
-            new_logprobs = self.logprobs(entries, offset=sum(len(t) for t in choice.text[:-1]))
+            new_logprobs = self.logprobs(entries, offset=offset)
         return index, choice, text, new_logprobs
+
+    def text(self, choice: _Choice) -> str:
+        """A choice's whole answer: the echoed prompt, then what was generated (nothing with ``echo_only``)."""
+        return choice.echoed + ("" if self.echo_only else choice.completion.joined_text)
 
     def _prompt_entries(self, prompt_index: int) -> list:
         """The echoed prompt's (token, logprob, top) entries: the first token has no logprob (None)."""
@@ -354,7 +367,7 @@ class _View:
 
     def usage(self) -> dict:
         prompt = sum(self.num_input_tokens.values())
-        completion = sum(c.num_output_tokens for c in self.choices.values())
+        completion = 0 if self.echo_only else sum(c.num_output_tokens for c in self.completions.in_order())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens.values())}}
 
@@ -400,7 +413,7 @@ async def _collect(view: _View, first, events) -> dict:
     choices = []
     for index in sorted(view.choices):
         choice = view.choices[index]
-        text = "".join(choice.text)
+        text = view.text(choice)
         logprobs = view.logprobs(choice.logprobs) if view.top_n is not None else None  # echoed: from the prompt
         if view.chat and choice.tool_parser is not None:
             parser = choice.tool_parser

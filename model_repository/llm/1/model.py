@@ -33,6 +33,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput, cpu_ops
+from backend.fan_in import Completion, FanIn
 from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
 from serve.drain import DrainMonitor, pop_grace
@@ -57,15 +58,10 @@ class _InFlight:
     sender: object
     stream: bool
     prefix: str  # the prompt, prepended to a non-streaming answer unless exclude_input_in_output
-    finished: dict[int, RequestOutput] = field(default_factory=dict)  # completion index -> its last delta
-    text: dict[int, list[str]] = field(default_factory=dict)
-    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    completions: FanIn = field(default_factory=FanIn)  # the deltas so far, per completion (backend.fan_in)
     logprobs: bool = False  # send output_log_probs / cum_log_probs
-    log_probs: dict[int, list[float]] = field(default_factory=dict)  # completion index -> per-token logprobs
-    top_log_probs: dict[int, list] = field(default_factory=dict)  # completion index -> TokenLogprobs (non-streaming)
     returns: frozenset[str] = frozenset()  # the vLLM backend's return_* inputs that were true
     prompt_logprobs: bool = False  # send the prompt_logprobs output
-    prompt_lp: dict[int, list] = field(default_factory=dict)  # completion index -> its prompt logprobs (non-streaming)
     wanted: frozenset[str] = frozenset()  # the outputs the client asked for (all of them when it named none)
 
 
@@ -279,44 +275,33 @@ class TritonPythonModel:
                 self.inflight.pop(out.request_id, None)
             return
         flags = FINAL if out.done else 0
-        new_log_probs = [lp.logprob for lp in out.logprobs or []]
-        log_probs = state.log_probs.setdefault(out.index, [])
-        log_probs.extend(new_log_probs)
+        completion = state.completions.add(out)
         if state.stream:
             if out.token_ids or out.text or out.finished:
+                cumulative = [_cumulative(completion)]
                 extra = []
                 if state.logprobs:
-                    extra = [*_log_prob_tensors(new_log_probs, [sum(log_probs)]),
+                    extra = [*_log_prob_tensors([lp.logprob for lp in out.logprobs or []], cumulative),
                              self._vllm_logprobs([out.logprobs or []])]
                 if state.prompt_logprobs:
                     extra.append(self._vllm_logprobs([out.prompt_logprobs], "prompt_logprobs"))
-                extra += _vllm_outputs(state, [sum(log_probs)], [len(out.token_ids)])
+                extra += _vllm_outputs(state, cumulative, [len(out.token_ids)])
                 state.sender.send(_response(state.wanted, [out.text], out.token_ids, [out], extra), flags=flags)
                 self.num_responses += 1
             return
-        state.text.setdefault(out.index, []).append(out.text)
-        state.token_ids.setdefault(out.index, []).extend(out.token_ids)
-        if state.logprobs:
-            state.top_log_probs.setdefault(out.index, []).extend(out.logprobs or [])
-        if out.prompt_logprobs is not None:
-            state.prompt_lp[out.index] = out.prompt_logprobs
-        if out.finished:
-            state.finished[out.index] = out
         if out.done:
-            order = sorted(state.finished)
-            texts = [state.prefix + "".join(state.text.get(i, [])) for i in order]
-            ids = [t for i in order for t in state.token_ids.get(i, [])]
+            completions = state.completions.in_order()
+            texts = [state.prefix + c.joined_text for c in completions]
+            ids = [t for c in completions for t in c.token_ids]
+            cumulative = [_cumulative(c) for c in completions]
             extra = []
-            per_index = [state.log_probs.get(i, []) for i in order]
             if state.logprobs:
-                extra = [*_log_prob_tensors([lp for lps in per_index for lp in lps], [sum(lps) for lps in per_index]),
-                         self._vllm_logprobs([state.top_log_probs.get(i, []) for i in order])]
+                extra = [*_log_prob_tensors([lp.logprob for c in completions for lp in c.logprobs], cumulative),
+                         self._vllm_logprobs([c.logprobs for c in completions])]
             if state.prompt_logprobs:
-                extra.append(self._vllm_logprobs([state.prompt_lp.get(i) for i in order], "prompt_logprobs"))
-            extra += _vllm_outputs(state, [sum(lps) for lps in per_index],
-                                   [state.finished[i].num_output_tokens for i in order])
-            state.sender.send(_response(state.wanted, texts, ids, [state.finished[i] for i in order], extra),
-                              flags=FINAL)
+                extra.append(self._vllm_logprobs([c.prompt_logprobs for c in completions], "prompt_logprobs"))
+            extra += _vllm_outputs(state, cumulative, [c.num_output_tokens for c in completions])
+            state.sender.send(_response(state.wanted, texts, ids, [c.last for c in completions], extra), flags=FINAL)
             self.num_responses += 1
 
     def _vllm_logprobs(self, per_completion: list[list | None], name: str = "logprobs"):
@@ -326,6 +311,11 @@ class TritonPythonModel:
         texts = [b"null" if steps is None else vllm_logprobs(steps, decode).encode("utf-8")
                  for steps in per_completion]
         return pb_utils.Tensor(name, np.array(texts, dtype=np.object_))
+
+
+def _cumulative(completion: Completion) -> float:
+    """The sum of a completion's token log-probabilities so far (0 without logprobs)."""
+    return sum(lp.logprob for lp in completion.logprobs)
 
 
 def _log_prob_tensors(output_log_probs: list[float], cum_log_probs: list[float]) -> list:
