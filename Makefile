@@ -70,7 +70,7 @@ bench: install
 
 # Ours against vLLM's CPU build on the same workload (vLLM gets a venv of its own, .venv-vllm, on first use).
 bench-peers: install
-	$(BIN)/python -m benchmarks --systems engine,vllm $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks --systems engine,vllm --rounds 3 $(BENCH_ARGS)
 
 # The serving path alone (zero-cost model through tritonserver at 1/64/256/1024 streams): docs/performance.md.
 bench-serving-path: install

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.config import MODES, SYSTEMS
+from benchmarks.machine import features_text
 
 LABELS = {"naive": "naive (HF generate, 1 at a time)", "static": "static batching (HF generate)",
           "generate_batch": "HF continuous batching", "engine": "ours, in process",
@@ -50,11 +51,33 @@ def build_report(config: dict, machine: dict, workload: dict, runs: list[dict], 
     by_round = {mode: _ratios_by_round(runs, mode) for mode in modes}
     ratios = {mode: {key: _median(values) for key, values in by_round[mode].items()} for mode in modes}
     report = {"config": config, "machine": machine, "workload": workload, "runs": runs, "skipped": skipped,
-              "ratios": ratios, "targets": _targets(runs, ratios), "checks": _checks(runs, workload),
-              "definitions": DEFINITIONS}
+              "ratios": ratios, "spread": spread(runs), "targets": _targets(runs, ratios),
+              "checks": _checks(runs, workload), "definitions": DEFINITIONS}
     if _num_rounds(runs) > 1:
         report["ratios_by_round"] = by_round
     return report
+
+
+MIN_ROUNDS_FOR_SPREAD = 3
+
+
+def spread(runs: list[dict]) -> dict:
+    """Per mode and system (the ceiling aside): its tokens/s in each round, their median, and the spread
+    ``(max - min) / median`` in percent, the run-to-run variation a single figure of that system carries on
+    this machine (None with fewer than :data:`MIN_ROUNDS_FOR_SPREAD` rounds)."""
+    out: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        if run["system"] != "ceiling":
+            entry = out.setdefault(run["mode"], {}).setdefault(run["system"], {"tokens_per_s": []})
+            entry["tokens_per_s"].append(run["output_tokens_per_s"])
+    for systems in out.values():
+        for entry in systems.values():
+            values = entry["tokens_per_s"]
+            median = statistics.median(values)
+            entry.update(median=median, min=min(values), max=max(values),
+                         spread_pct=100 * (max(values) - min(values)) / median
+                         if len(values) >= MIN_ROUNDS_FOR_SPREAD and median else None)
+    return out
 
 
 def _num_rounds(runs: list[dict]) -> int:
@@ -147,7 +170,8 @@ def markdown(report: dict) -> str:
         f"concurrent = {c.get('concurrency')} in flight (a closed loop: each request sent when one ends; latencies "
         f"count from then; the serving systems only). "
         f"Mean decode context {w['mean_decode_context_tokens']:g} tokens.",
-        f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, torch threads {m['torch_threads']} for every "
+        f"Machine: {m['cpu_model']} ({features_text(m)}; L3 {m.get('l3_cache') or 'unknown'}), "
+        f"{m['usable_cpus']} usable CPUs, torch threads {m['torch_threads']} for every "
         f"system, torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; model "
         f"{c['model'] or 'SmolLM2-135M-Instruct (default)'}, {c.get('dtype', 'auto')} (auto = bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Load average (1/5/15 min) at start "
         f"{m['loadavg_at_start']}, at end {m.get('loadavg_at_end')}; above {m['usable_cpus']} means other processes "
@@ -187,6 +211,7 @@ def markdown(report: dict) -> str:
                                                  for k, *_ in RATIOS) + " |")
     if rounds > 1:
         lines += ["", f"{rounds} rounds: each ratio is the median of the rounds' ratios (in brackets, round by round)."]
+    lines += ["", *spread_table(report)]
     lines += ["", "Targets (offline runs; KV waste on every engine run):", "", "| Target | Wanted | Measured | Met |",
               "|---|---|---:|---|"]
     for t in report["targets"]:
@@ -212,6 +237,55 @@ def markdown(report: dict) -> str:
 
         lines += prefix_markdown(report["prefix_cache"])
     return "\n".join(lines) + "\n"
+
+
+def page_markdown(report: dict) -> str:
+    """The summary docs/performance.md shows of a run (``benchmarks.docs_page``): tokens/s by round with their
+    spread, the ratios to the peers round by round, latencies where a mode has them, and the checks."""
+    w, c = report["workload"], report["config"]
+    lines = [f"Model {c['model'] or 'SmolLM2-135M-Instruct (default)'}, {c.get('dtype', 'auto')}, "
+             f"{report['machine'].get('torch_threads')} threads; {w['num_requests']} requests "
+             f"({w['total_output_tokens']} output tokens, `ignore_eos`).", "", *spread_table(report)]
+    for mode, ratios in report["ratios"].items():
+        per_round = report.get("ratios_by_round", {}).get(mode, {})
+        shown = [f"{key.replace('_vs_', ' / ')} **{_ratio(value, key)}**{_rounds_text(per_round.get(key), key)}"
+                 for key, value in ratios.items() if value is not None and key in PAGE_RATIOS]
+        if shown:
+            lines += ["", f"Ratios of output tokens/s, {mode} (median of rounds; round by round in brackets): "
+                          + "; ".join(shown) + "."]
+    latency = [r for r in report["runs"] if r["system"] != "ceiling" and r["mode"] != "offline"]
+    if latency:
+        lines += ["", "| System | Mode | Round | Tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+                  "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {LABELS[r['system']]} | {r['mode']} | {r.get('round', 0) + 1} | {r['output_tokens_per_s']:.1f} | "
+                  f"{_pair(r['ttft_s_p50'], r['ttft_s_p99'], '{:.2f}')} | "
+                  f"{_pair(r['itl_ms_p50'], r['itl_ms_p99'], '{:.0f}')} |" for r in latency]
+    checks = report["checks"]
+    lines += ["", f"Every run produced exactly the workload's output lengths: "
+                  f"{'yes' if checks['all_tokens_exact'] else '**no**'}."]
+    for mode, agreement in checks.get("same_first_tokens_as_vllm", {}).items():
+        lines.append(f"Same first 16 greedy tokens as vLLM ({mode}): {agreement['same']} of {agreement['requests']} "
+                     f"requests.")
+    return "\n".join(lines) + "\n"
+
+
+PAGE_RATIOS = ("engine_vs_vllm", "server_vs_vllm", "server_vs_engine", "engine_vs_static", "engine_vs_naive")
+
+
+def spread_table(report: dict) -> list[str]:
+    """Markdown lines: each system's tokens/s round by round, median and spread (:func:`spread`)."""
+    rounds = _num_rounds(report["runs"])
+    lines = ["| System | Mode | Tokens/s by round | Median | Spread (max - min) / median |", "|---|---|---|---:|---:|"]
+    for mode, systems in report.get("spread", {}).items():
+        for system, entry in systems.items():
+            spread_text = "n/a" if entry["spread_pct"] is None else f"{entry['spread_pct']:.0f}%"
+            lines.append(f"| {LABELS[system]} | {mode} | {', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])} | "
+                         f"{entry['median']:.1f} | {spread_text} |")
+    if rounds < MIN_ROUNDS_FOR_SPREAD:
+        lines += ["", f"{rounds} round(s): the spread needs at least {MIN_ROUNDS_FOR_SPREAD} "
+                      f"(`--rounds {MIN_ROUNDS_FOR_SPREAD}`); a single figure here may be off by the machine's "
+                      f"run-to-run variation."]
+    return lines
 
 
 def _rounds_text(values: list[float] | None, key: str) -> str:

@@ -83,6 +83,7 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
         log.info("prefix_cache: TTFT p50 %.1fx lower with caching", report["prefix_cache"]["ttft_p50_speedup"])
     report["machine"]["loadavg_at_end"] = load_average()
     report["command"] = command
+    report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     report["wall_s"] = time.perf_counter() - began
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -276,8 +276,8 @@ def markdown(report: dict) -> str:
                      f"| {row['tritonserver_cpu_cores']:.2f} / {row['stub_cpu_cores']:.2f} / "
                      f"{row['client_cpu_cores']:.2f} |")
     errors = [e for row in report["runs"] for e in row["errors"]]
-    lines += ["", f"errors: {len(errors)}" + (f" (first: {errors[0]})" if errors else ""),
-              f"machine: {report['machine']}"]
+    lines += ["", f"Stream errors (a token lost, repeated or out of order): {len(errors)}"
+              + (f" (first: {errors[0]})" if errors else "")]
     return "\n".join(lines)
 
 
@@ -305,8 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     cycle = [zero_cost_token(p, vocab_size) for p in range(CYCLE_LENGTH)]
     if any(zero_cost_token(p, vocab_size) != cycle[p % CYCLE_LENGTH] for p in range(4 * CYCLE_LENGTH)):
         raise RuntimeError("the zero-cost cycle of this vocabulary is shorter than CYCLE_LENGTH")
-    report = {"command": " ".join(["python -m benchmarks.serving_path", *(sys.argv[1:] if argv is None else argv)]),
-              "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"}
+    from benchmarks.machine import load_average, machine_info
+
+    report = {"benchmark": "benchmarks.serving_path",
+              "command": " ".join(["python -m benchmarks.serving_path", *(sys.argv[1:] if argv is None else argv)]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_info(0)}
     report["engine_loop"] = engine_loop_steps(steps=args.engine_steps) if args.engine_steps else {}
     workdir = Path(tempfile.mkdtemp(prefix="bench-serving-path-"))
     server = start_zero_cost_server(workdir, max(concurrencies), args.max_tokens)
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append(row)
     finally:
         stop_server(server)
-    report["machine"] += f", {os.getloadavg()[0]:.2f} at the end"
+    report["machine"]["loadavg_at_end"] = load_average()
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "report.json").write_text(json.dumps(report, indent=2))

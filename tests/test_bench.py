@@ -108,6 +108,17 @@ def test_concurrent_mode_keeps_n_requests_in_flight(tiny_model_dir, tokenizer, t
     assert_closed_loop(run.records, 2)
 
 
+def test_one_round_has_no_spread_and_says_so(report):
+    spread = report["spread"]["offline"]["engine"]
+    assert spread["spread_pct"] is None and len(spread["tokens_per_s"]) == 1
+    assert "the spread needs at least 3" in (Path(report["files"][1])).read_text()
+    from benchmarks.machine import FEATURES
+
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+                .split(":", 1)[1].split())
+    assert report["machine"]["cpu_features"] == [f for f in FEATURES if f in flags]
+
+
 def test_engine_kv_use_and_ratios(report):
     for mode in MODES:
         kv = runs_by(report)[("engine", mode)]["kv"]
@@ -234,6 +245,20 @@ def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ra
     assert report["checks"]["all_tokens_exact"] and len(report["checks"]["tokens_exact"]) == 6
     text = (tmp_path / "report.md").read_text()
     assert "ours, in process (round 3)" in text and "3 rounds: each ratio is the median" in text
+    engine = report["spread"]["offline"]["engine"]
+    values = [rate["engine", i] for i in range(3)]
+    assert engine["tokens_per_s"] == values and engine["median"] == sorted(values)[1]
+    assert engine["spread_pct"] == pytest.approx(100 * (max(values) - min(values)) / sorted(values)[1])
+    assert f"{engine['spread_pct']:.0f}%" in text and "the spread needs at least" not in text
+    from benchmarks.docs_page import generate
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "tiny.json").write_text(json.dumps(report))
+    page = generate("# Page\n\n<!-- result: tiny -->\n", tmp_path / "results")
+    assert report["command"] is None and report["date"] in page and "engine / static **" in page
+    assert ", ".join(f"{v:.1f}" for v in values) in page and report["machine"]["cpu_model"] in page
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        generate("<!-- result: missing -->\n", tmp_path / "results")
     assert parse_args(["--rounds", "2"]).rounds == 2
     with pytest.raises(ValueError, match="rounds"):
         BenchConfig(rounds=0)

@@ -102,3 +102,13 @@ def test_site_builds_strict_with_no_broken_links(tmp_path):
     assert "Quick start" in (site / "index.html").read_text()
     for page in ("architecture", "configuration", "openai", "deploy", "kernels", "performance"):
         assert (site / page / "index.html").is_file(), page
+
+
+def test_performance_page_is_generated_from_the_kept_results():
+    """docs/performance.md is what ``benchmarks.docs_page`` makes of its template and docs/results/*.json, and
+    every kept result is shown on it: no figure without the run that produced it, no run left unshown."""
+    from benchmarks.docs_page import MARKER, PAGE, RESULTS, TEMPLATE, generate
+
+    assert PAGE.read_text() == generate(), "run: python -m benchmarks.docs_page"
+    shown = set(MARKER.findall(TEMPLATE.read_text()))
+    assert shown == {p.stem for p in RESULTS.glob("*.json")}
