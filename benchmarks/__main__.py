@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="run the systems this many times in turn; ratios per round and their median (default 1)")
     parser.add_argument("--served-offline-stream", action="store_true",
                         help="the server's offline run streams every token (default: whole answers, stream false)")
+    parser.add_argument("--shape", help="a model shape with random weights instead of --model: "
+                                        "smollm2-360m, smollm2-1.7b, llama-3b (benchmarks.shapes; written once)")
+    parser.add_argument("--limits", action="store_true",
+                        help="measure memory bandwidth and GEMM peak and report the model's bounds (on with --shape)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -49,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
-                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir"):
+                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):
@@ -59,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         values["systems"] = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     if args.modes:
         values["modes"] = tuple(s.strip() for s in args.modes.split(",") if s.strip())
+    if args.shape and args.model:
+        parser.error("--shape and --model are alternatives")
+    values["limits"] = args.limits or bool(args.shape)
     values["progress"] = not args.no_progress
     values["served_offline_stream"] = args.served_offline_stream
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

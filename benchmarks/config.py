@@ -50,6 +50,9 @@ class BenchConfig:
         rounds: runs of every selected system, in turn (engine, vllm, engine, vllm, ...): a machine whose speed
             drifts between minutes (shared memory bandwidth) moves neighbouring runs together, so the reported
             ratios are each round's and their median.
+        shape: a model shape with random weights (``benchmarks.shapes``) instead of ``model``.
+        limits: measure the machine's memory bandwidth and GEMM peak and report the model's bounds
+            (``benchmarks.limits``); on by default with ``shape``.
         output_dir: where the JSON, markdown and PNGs go.
         progress: show tqdm progress bars.
     """
@@ -79,6 +82,8 @@ class BenchConfig:
     stream_interval: int = 1
     served_offline_stream: bool = False
     rounds: int = 1
+    shape: str | None = None
+    limits: bool = False
     output_dir: str = "results/bench"
     quick: bool = False
     progress: bool = True

@@ -173,7 +173,7 @@ def markdown(report: dict) -> str:
         f"Machine: {m['cpu_model']} ({features_text(m)}; L3 {m.get('l3_cache') or 'unknown'}), "
         f"{m['usable_cpus']} usable CPUs, torch threads {m['torch_threads']} for every "
         f"system, torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; model "
-        f"{c['model'] or 'SmolLM2-135M-Instruct (default)'}, {c.get('dtype', 'auto')} (auto = bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Load average (1/5/15 min) at start "
+        f"{model_name(c)}, {c.get('dtype', 'auto')} (auto = bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Load average (1/5/15 min) at start "
         f"{m['loadavg_at_start']}, at end {m.get('loadavg_at_end')}; above {m['usable_cpus']} means other processes "
         f"competed for the CPU.",
         "",
@@ -203,6 +203,10 @@ def markdown(report: dict) -> str:
             f"{_pair(r['itl_ms_p50'], r['itl_ms_p99'], '{:.0f}')} | {_pair(r['e2e_s_p50'], r['e2e_s_p99'], '{:.2f}')} | "
             f"{_num(r['mean_batch'], '{:.1f}')} | {_num(r['preemptions'], '{}')} | {kv_text} | "
             f"{r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} |")
+    if report.get("limits"):
+        from benchmarks.limits import markdown as limits_markdown
+
+        lines += ["", limits_markdown(report["limits"])]
     lines += ["", "Ratios of output tokens/s:", "", "| Mode | " + " | ".join(k for k, *_ in RATIOS) + " |",
               "|---|" + "---:|" * len(RATIOS)]
     for mode, ratios in report["ratios"].items():
@@ -239,13 +243,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def model_name(config: dict) -> str:
+    if config.get("shape"):
+        return f"shape {config['shape']} (random weights, benchmarks.shapes)"
+    return config["model"] or "SmolLM2-135M-Instruct (default)"
+
+
 def page_markdown(report: dict) -> str:
     """The summary docs/performance.md shows of a run (``benchmarks.docs_page``): tokens/s by round with their
     spread, the ratios to the peers round by round, latencies where a mode has them, and the checks."""
     w, c = report["workload"], report["config"]
-    lines = [f"Model {c['model'] or 'SmolLM2-135M-Instruct (default)'}, {c.get('dtype', 'auto')}, "
+    lines = [f"Model {model_name(c)}, {c.get('dtype', 'auto')}, "
              f"{report['machine'].get('torch_threads')} threads; {w['num_requests']} requests "
              f"({w['total_output_tokens']} output tokens, `ignore_eos`).", "", *spread_table(report)]
+    if report.get("limits"):
+        from benchmarks.limits import markdown as limits_markdown
+
+        lines += ["", limits_markdown(report["limits"])]
     for mode, ratios in report["ratios"].items():
         per_round = report.get("ratios_by_round", {}).get(mode, {})
         shown = [f"{key.replace('_vs_', ' / ')} **{_ratio(value, key)}**{_rounds_text(per_round.get(key), key)}"

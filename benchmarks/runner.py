@@ -6,6 +6,7 @@ so no two systems compete for the CPU. A system that cannot start is reported as
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -58,7 +59,20 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     torch.set_num_threads(config.threads)
     began = time.perf_counter()
     machine = machine_info(config.threads)
+    if config.shape:
+        from benchmarks.shapes import SHAPES, ensure_shape
+
+        if config.shape not in SHAPES:
+            raise ValueError(f"unknown shape {config.shape!r}; known: {', '.join(SHAPES)}")
+        config = dataclasses.replace(config, model=str(ensure_shape(config.shape)))
     model_dir = str(resolve_model_dir(config.model))
+    limits = None
+    if config.limits:
+        from backend.config import resolve_dtype
+        from benchmarks.limits import model_limits
+
+        limits = model_limits(model_dir, resolve_dtype(config.dtype, "cpu"), config.threads)
+        torch.set_num_threads(config.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workload = make_workload(tokenizer, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -75,6 +89,8 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
         runs += _ceilings(config, model_dir, tokenizer, workload, runs)
 
     report = build_report(config.as_dict(), machine, workload.summary(), runs, skipped)
+    if limits is not None:
+        report["limits"] = limits
     if "prefix_cache" in config.systems:
         from benchmarks.prefix_cache import run_prefix_cache
 

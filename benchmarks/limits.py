@@ -1,0 +1,74 @@
+"""The machine's physical limits for a model, measured beside a run: what no engine can beat.
+
+* **Memory bandwidth**: the read rate of a 1 GiB buffer summed by torch on the run's threads (best of 5); a
+  decode step reads every weight once, so one stream's step cannot be shorter than weight bytes / bandwidth,
+  and a batch of B decodes cannot exceed B x bandwidth / weight bytes tokens/s (KV reads come on top).
+* **GEMM peak**: the rate of a 2048 x 2048 x 2048 matmul in the run's dtype (best of 5); a token costs about
+  2 x parameters FLOPs, so no engine exceeds peak / (2 x parameters) tokens/s, prefill or decode.
+
+The roofline model of Williams, Waterman and Patterson (CACM 2009) on one axis each.
+"""
+
+from __future__ import annotations
+
+import time
+
+GIB = 1 << 30
+
+
+def measure_bandwidth_gbps(threads: int, repeats: int = 5) -> float:
+    """GB/s (1e9 bytes) read by ``torch.sum`` over a 1 GiB float32 buffer, best of ``repeats``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buffer = torch.ones(GIB // 4, dtype=torch.float32)
+    buffer.sum()
+    best = min(_timed(lambda: buffer.sum()) for _ in range(repeats))
+    return GIB / best / 1e9
+
+
+def measure_gemm_gflops(dtype: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of an ``n`` x ``n`` x ``n`` matmul in ``dtype``, best of ``repeats``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n).to(getattr(torch, dtype))
+    b = torch.randn(n, n).to(getattr(torch, dtype))
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def model_limits(model_dir: str, dtype: str, threads: int) -> dict:
+    """The measured bandwidth and GEMM peak, the model's weight bytes per step and parameters, and the bounds
+    they set: the shortest decode step (one stream's ITL floor, ms), decode tokens/s per stream in the batch
+    (memory bound), and tokens/s at the GEMM peak (compute bound)."""
+    from transformers import AutoConfig
+
+    from benchmarks.memory_floor import weight_bytes
+
+    element = 4 if dtype == "float32" else 2
+    config = AutoConfig.from_pretrained(model_dir)
+    weights = weight_bytes(config, element)
+    params = weights // element
+    bandwidth = measure_bandwidth_gbps(threads)
+    peak = measure_gemm_gflops(dtype, threads)
+    return {"bandwidth_gbps": bandwidth, "gemm_gflops": peak, "gemm_dtype": dtype, "weight_bytes_per_step": weights,
+            "matmul_parameters": params, "itl_floor_ms": 1e3 * weights / (bandwidth * 1e9),
+            "decode_tokens_per_s_per_stream_bound": bandwidth * 1e9 / weights,
+            "compute_bound_tokens_per_s": peak * 1e9 / (2 * params)}
+
+
+def markdown(limits: dict) -> str:
+    return (f"Physical limits on this machine: memory read {limits['bandwidth_gbps']:.1f} GB/s and "
+            f"{limits['weight_bytes_per_step'] / 1e9:.2f} GB of weights per step give a decode step of at least "
+            f"{limits['itl_floor_ms']:.1f} ms (one stream's ITL floor; a batch of B at most "
+            f"{limits['decode_tokens_per_s_per_stream_bound']:.1f} x B tokens/s); a {limits['gemm_dtype']} GEMM "
+            f"peak of {limits['gemm_gflops']:.0f} GFLOP/s gives at most {limits['compute_bound_tokens_per_s']:.0f} "
+            f"tokens/s at any batch.")
