@@ -155,8 +155,8 @@ class EngineConfig:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """``dtype`` itself, or for ``auto``: bfloat16 on a CPU with AVX512-BF16 or AMX (bf16 GEMMs measured 5x
-    faster than fp32 at 64 rows on an AMX Xeon) or on a CUDA GPU that supports it, float32 elsewhere."""
+    """``dtype`` itself, or for ``auto``: bfloat16 on a CPU with AVX512-BF16 or AMX (hardware bf16
+    multiply-adds, and half the bytes of weights to read per step) or on a CUDA GPU that supports it, float32 elsewhere."""
     import torch
 
     if dtype != "auto":

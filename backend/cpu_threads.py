@@ -1,18 +1,16 @@
 """Pinning the engine's torch threads to CPU cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
 
 On a CPU every operation of a step ends in an OpenMP barrier: a step is as fast as its slowest thread. A
-thread the OS migrates, or parks on a core another of the team's threads uses, stalls the whole team.
-Measured on 2 cores with other processes running: 218-243 ms per decode step at batch 64 pinned against
-625-1233 ms unpinned. vLLM's CPU docs have users pin; the engine does it by default when it owns the
+thread the OS migrates, or parks on a core another of the team's threads uses, stalls the whole team, and
+with other processes running this happens at most steps. vLLM's CPU docs have users pin; the engine does it by default when it owns the
 machine's CPUs.
 
 One OpenMP team per process: GNU OpenMP (the runtime torch's CPU wheels ship) keeps a pool of worker threads
 for every thread that ever started a parallel region, and once the pools hold more threads than the process
 has CPUs it stops spinning at barriers ("throttled" waiting: about 1,000 spins instead of 300,000, whatever
 ``GOMP_SPINCOUNT`` says), so every operation of a step ends with its threads asleep in the kernel and woken
-again. Loading the model on the caller's thread and stepping on the loop thread made two pools: measured on
-2 cores, the benchmark's offline run made 10x the context switches (333k against 33k) and 369-439 output
-tokens/s against 549-643 with one pool. :func:`run_on_fresh_thread` runs the loading on a thread that exits
+again. Loading the model on the caller's thread and stepping on the loop thread would make two pools, and
+every step many times the context switches of one. :func:`run_on_fresh_thread` runs the loading on a thread that exits
 afterwards (its pool goes with it), so the thread that steps owns the only pool.
 """
 

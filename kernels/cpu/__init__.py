@@ -42,7 +42,7 @@ HERE = Path(__file__).parent
 SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", "greedy_head.cpp", "rms_norm.cpp",
            "rotary.cpp", "activation.cpp", "threads.cpp", "argmax.cpp", "decoder_layers.cpp")
 # -fno-trapping-math lets loops that convert floats to integers (the exp below) vectorize; 512-bit vectors
-# measured 10-20% faster than GCC's default 256 on the elementwise kernels (AMX Xeon).
+# (GCC prefers 256 on these CPUs) double the width of the elementwise kernels' loops.
 # -march: the machine that compiles (native), or LLM_CPU_KERNELS_MARCH when the build runs elsewhere than the server
 # (an image built once for many nodes: docker/Dockerfile). The AVX-512 / AMX paths are compiled where it allows them.
 CFLAGS = ["-O3", f"-march={os.environ.get('LLM_CPU_KERNELS_MARCH') or 'native'}", "-fno-trapping-math",
@@ -194,9 +194,8 @@ def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 def small_gemm_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """The most rows :func:`small_gemm` takes for ``dtype`` here (it must be available): 64 on AMX tiles, 256 on
-    vector units (the AMX path is built and measured for decode batches only). On a 2-core Zen 4 (no AMX), a
-    decode step's 121 GEMMs of SmolLM2-135M with cold weights, small_gemm vs oneDNN, fp32: 129.5 vs 143.4 ms at
-    96 rows, 177.0 vs 189.3 at 128, 378.7 vs 393.2 at 256; bf16: 73.3 vs 84.9, 97.6 vs 107.9, 192.0 vs 200.3."""
+    vector units (the AMX path is built for decode batches only; above 256 rows oneDNN's blocking for large
+    GEMMs takes over, ``python -m benchmarks.profile_engine`` shows the split on a machine)."""
     return _module().small_gemm_max_rows(dtype == torch.bfloat16)
 
 

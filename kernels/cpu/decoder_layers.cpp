@@ -1,9 +1,8 @@
 // The compact decoder's layers (backend/models/llama.py) for a decode step small_gemm takes (at most 64 rows on
 // AMX, 256 elsewhere: small_gemm_max_rows), in one call.
 // A decode step on two cores runs ~12 kernels a layer, each a few hundred microseconds at such batches; driven
-// from Python, every call also pays the interpreter, argument parsing and an output allocation: ~5 ms a step
-// of SmolLM2 (30 layers), measured as a step's time outside the kernels (batch 16: 4.7 of 33.7 ms; batch 48: 5.3
-// of 52.4). The same kernels in the same order from here; the results are bit-identical to the Python loop.
+// from Python, every call also pays the interpreter, argument parsing and an output allocation, ~360 calls a
+// step for SmolLM2's 30 layers. The same kernels in the same order from here; the results are bit-identical to the Python loop.
 // (The CPU's counterpart of replaying a CUDA graph captured for decode steps, as vLLM and nano-vllm do on GPUs.)
 #include "common.h"
 

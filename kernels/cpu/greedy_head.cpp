@@ -1,8 +1,8 @@
 // Greedy decoding's pick from an fp32 LM head without all of its fp32 logits: a bf16 pass over the vocabulary
 // with a proven error bound per logit, then the exact fp32 logit only for the few tokens the bound cannot rule out.
 // The LM head of a small model is a large share of a decode step (SmolLM2-135M: 28 of 135 M weights, 21% of an
-// fp32 step's multiply-adds), and on CPUs with AVX512-BF16 its bf16 GEMM takes half the time of the fp32 one
-// (batch 40, cold weights, 2 Zen 4 cores: 5.6 vs 11.5 ms). The pick is the token the fp32 logits would give,
+// fp32 step's multiply-adds), and on CPUs with AVX512-BF16 its bf16 GEMM reads half the bytes and runs on hardware
+// bf16 multiply-adds. The pick is the token the fp32 logits would give,
 // bit for bit: the exact logits of the candidates are computed in small_gemm's fp32 summation order.
 //
 // The bound. x: a row's fp32 hidden state, W_i: the fp32 weight row of token i, y_i = fl(x . W_i) the fp32 logit

@@ -6,13 +6,11 @@
 // For head_dim 64 or 128 in fp32 or bf16 (`tile_kernel`) keys and values go by tiles of 16 tokens with an
 // online softmax (Milakov & Gimelshein 2018; FlashAttention's rescaling, Dao et al. 2022): one pass over the
 // cache, 16-float vectors throughout, and the 16 dot products of a tile summed across lanes together (a
-// four-level shuffle tree) rather than one horizontal sum per key. Measured on one core of an AMX Xeon, batch
-// 64, context 200, bf16: 1.1 ms per layer against 1.8 ms for the per-key `generic_kernel` below, which is
-// then bound by reading the cache (about 18 GB/s). The softmax of a tile runs on 16 lanes (AVX-512), and bf16
+// four-level shuffle tree) rather than one horizontal sum per key, as the per-key `generic_kernel` below does,
+// so that reading the cache, not the arithmetic, bounds the kernel. The softmax of a tile runs on 16 lanes (AVX-512), and bf16
 // keys are scored with AVX512-BF16's `vdpbf16ps` (pairs of exact products summed in fp32) where the CPU has it.
-// With AMX (bf16, blocks of whole 16-token tiles) `amx_decode_kernel` scores the keys on tiles instead, which brings
-// the kernel within about 10% of a plain reader of the same blocks (30 layers, batch 48, context 200-400, cache out
-// of the CPU's caches, 2 threads).
+// With AMX (bf16, blocks of whole 16-token tiles) `amx_decode_kernel` scores the keys on tiles instead, so that
+// the kernel's time is close to that of a plain reader of the same blocks.
 // `generic_kernel` serves every other shape and fp16. `prefill_tile_kernel` (below) does the prompt rows of a
 // step, causal, over the same blocks (FlashAttention's tiling over query rows and keys, Dao et al. 2022).
 #include "common.h"
@@ -135,8 +133,7 @@ constexpr int64_t PREFETCH_TOKENS = 32;
 // token i's key row while key i is scored, its value row while value i is summed (`attend_tile`, first query heads
 // of each KV head). Issued all at once at the tile's start instead, the 16 rows' lines (24 KiB in fp32 for
 // SmolLM2's three KV heads) overflow the core's queue of misses; the loads wait on memory and the arithmetic on the
-// loads, in turn, where spread out the two overlap (on Zen 4 with the cache out of the CPU's caches this makes the
-// kernel about 20% faster in fp32 and nearly twice as fast in bf16).
+// loads, in turn, where spread out the two overlap.
 struct TilePrefetch {
   const char* keys[16];
   const char* values[16];
@@ -222,8 +219,7 @@ constexpr int widened_index(int d) { return (d / 32) * 32 + (d % 2) * 16 + (d % 
 
 // `NG` query heads sharing one KV head against one tile of `n` (<= 16) keys, updating their running maxima, sums
 // and accumulators (online softmax). The heads go together so that their dependency chains interleave (one head
-// alone waits on its softmax, then on 16 multiply-adds in a row per accumulator; interleaved, SmolLM2's groups of
-// three run about 5-10% faster, cache cold or warm). `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored (bf16 dot products); `qv`: the
+// alone waits on its softmax, then on 16 multiply-adds in a row per accumulator). `q_raw[g]` / `key_rows[i] + kv_offset`: queries and keys as stored (bf16 dot products); `qv`: the
 // queries in fp32, already scaled, NG x C vectors; `kt` / `vt`: the tile's keys / values in fp32, 16 x C vectors.
 template <typename T, int D, bool BF16_DOT, int NG>
 inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* key_rows,
@@ -346,10 +342,10 @@ inline std::vector<int32_t> longest_first(const int64_t* seq_lens, int64_t batch
 
 // One task per (sequence, `heads_per_task` consecutive KV heads): with all of a sequence's KV heads in one task,
 // each 16-token tile is read as contiguous rows (the cache interleaves heads per token), which the prefetchers
-// follow; measured 1.5 vs 1.8 ms per layer against one head per task with the cache out of the CPU's caches.
+// follow, where one head per task would read every token's row in pieces.
 // Threads take tasks one at a time, longest first, rather than fixed shares: as fast when the cores are free, and
 // when another process takes a share of one core (as tritonserver's and the stub's response threads do) the other
-// thread takes over its tasks instead of waiting for it at the barrier (about 15% faster then, 2 threads).
+// thread takes over its tasks instead of waiting for it at the barrier.
 template <typename T, int D>
 void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
                  const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,

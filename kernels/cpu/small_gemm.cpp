@@ -1,15 +1,14 @@
 // GEMMs of decode steps (at most 64 rows on AMX tiles, up to 256 on vector units: small_gemm_max_rows), streaming
 // the weights from a layout packed for the tiles.
 // A decode step's GEMMs read every weight once and do little arithmetic per byte: they are bound by how fast the
-// weights stream from memory. oneDNN's prepacked path (used for larger batches and prompts) reaches ~14 GB/s at
-// one to 48 rows on a 2-core AMX Xeon; this kernel, each thread walking its own contiguous run of 1 KiB weight
-// tiles, ~20 GB/s (a step's 121 GEMMs of SmolLM2-135M take 12-30% less time than oneDNN's). Intel AMX: tdpbf16ps multiplies a 16 x 32 bf16 tile of rows by a 32 x 16 tile of weights
+// weights stream from memory. Here each thread walks its own contiguous run of 1 KiB weight tiles, which the
+// hardware prefetchers follow (oneDNN's prepacked path, used for larger batches and prompts, blocks for
+// arithmetic rather than for one pass over the weights). Intel AMX: tdpbf16ps multiplies a 16 x 32 bf16 tile of rows by a 32 x 16 tile of weights
 // (stored as 16 rows of 16 pairs of consecutive k) into 16 x 16 fp32. fp32 weights take AVX-512 multiply-adds
 // instead (4 blocks of 16 outputs by up to 6 rows in registers, each weight vector used by every row, so each
 // weight is read from memory once per 6 rows). bf16 weights on CPUs without AMX (AMD
 // Zen 4) take the same register blocking with AVX512-BF16's vdpbf16ps on the tile layout (one vector: 16 outputs x 2
-// consecutive k, the row's pair broadcast): a step's GEMMs against oneDNN on a 2-core Zen 4, medians of 8, 1 row
-// 9.5 vs 15.0 ms, 16 rows 14.9 vs 18.8, 48 rows 36.1 vs 46.5, 64 rows 46.8 vs 55.5.
+// consecutive k, the row's pair broadcast).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -77,8 +76,7 @@ inline void tile_store_n(int t, float* c) {
 // CH (1 or 2) 16-row chunks of x (chunk i at a[i], rows K apart) against NBT consecutive 16-output blocks of
 // weights (`step` elements apart) at once: C tile i * NBT + j (<= 6 of them), A 6, B 7. Each chunk's A tile is
 // loaded once per 32 k for all NBT blocks (the B tiles after the first chunk's come from L1), not once per block:
-// over 16 rows a step's GEMMs load x from L2 three times less often (5-18% faster than one block per chunk at 32-64
-// rows); results bit-identical (each output's sums in one order).
+// over 16 rows a step's GEMMs load x from L2 three times less often; results bit-identical (each output's sums in one order).
 template <int CH, int NBT>
 inline void tile_multi(const bf16* const* a, int64_t K, const bf16* w, int64_t step, float* c) {
 #pragma GCC unroll 8
