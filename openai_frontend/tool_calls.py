@@ -82,14 +82,62 @@ class ToolChoice:
             function = next(f for f in self.tools if f["name"] == self.name)
             return {"json": json.dumps(function.get("parameters") or ANY_OBJECT)}
         if self.mode == "required":
+            defs: dict = {}
             calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                      "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
-                     for f in self.tools]
+                      "properties": {"name": {"const": f["name"]},
+                                     "arguments": _hoisted(f.get("parameters") or ANY_OBJECT, f"tool{i}", defs)}}
+                     for i, f in enumerate(self.tools)]
             array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if defs:
+                array["$defs"] = defs
             if not self.parallel:
                 array["maxItems"] = 1
             return {"json": json.dumps(array)}
         return None
+
+
+def _hoisted(schema: dict, name: str, defs: dict) -> dict:
+    """``schema`` (a tool's parameters) to be nested in the ``required`` constraint, whose root is not its
+    root: its ``$defs`` / ``definitions`` move into the constraint's ``$defs`` as ``<name>__<key>``, and its
+    local references are rewritten to point there (``#`` itself, and pointers into the tool's own root, to the
+    tool's schema kept whole as ``$defs/<name>``). Pydantic writes nested models this way, so tools made
+    from them (instructor, LangChain) keep their references. Returns a ``$ref`` to the tool's schema when the
+    schema has references, else the schema itself. Remote references are left as they are (the schema
+    check refuses them)."""
+    if not isinstance(schema, dict) or not _has_local_ref(schema):
+        return schema
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions") or node is not schema}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            parts = ref[2:].split("/") if ref != "#" else []
+            if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+                out["$ref"] = "/".join([f"#/$defs/{name}__{parts[1]}", *parts[2:]])
+            else:
+                out["$ref"] = "/".join([f"#/$defs/{name}", *parts])
+        return out
+
+    for section in ("$defs", "definitions"):
+        for key, sub in (schema.get(section) or {}).items():
+            defs[f"{name}__{key}"] = rewrite(sub)
+    defs[name] = rewrite(schema)
+    return {"$ref": f"#/$defs/{name}"}
+
+
+def _has_local_ref(node) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_has_local_ref(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
 
 
 def tool_system_prompt(tools: list[dict]) -> str:

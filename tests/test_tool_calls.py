@@ -72,3 +72,38 @@ def test_bad_tool_choices_are_400_and_tool_turns_render_without_tool_support():
     assert '"name": "get_weather"' in messages[0]["content"] and "<tools>" in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert messages[3] == {"role": "user", "content": "<tool_response>\n5 C\n</tool_response>"}
+
+
+PERSON = {"type": "function", "function": {"name": "add_person", "parameters": {  # as pydantic writes nested models
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False},
+              "Node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+                       "required": ["next"], "additionalProperties": False}},
+    "type": "object", "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"},
+                                     "chain": {"$ref": "#/$defs/Node"}, "same_as_home": {"$ref": "#/properties/home"}},
+    "required": ["name", "home"], "additionalProperties": False}}}
+
+
+def test_required_keeps_each_tools_references_and_compiles():
+    """``required`` nests every tool's parameters under one root; their ``$defs`` and local ``$ref``s (pydantic's
+    nested models, recursion, pointers into the tool's own root) are hoisted and still mean the same."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from backend.model_loader import resolve_model_dir
+    from backend.structured_output.compiler import GrammarCompiler
+    from backend.structured_output.params import StructuredOutputsParams
+
+    constraint = ToolChoice.from_request([WEATHER, PERSON], "required").structured_outputs()["json"]
+    schema = json.loads(constraint)
+    valid = [{"name": "add_person", "arguments": {"name": "Ada", "home": {"city": "London"},
+                                                  "chain": {"next": {"next": None}},
+                                                  "same_as_home": {"city": "Paris"}}},
+             {"name": "get_weather", "arguments": {"city": "Rome"}}]
+    jsonschema.validate(valid, schema)
+    for args in ({"name": "Ada", "home": {"town": "London"}}, {"name": "Ada", "home": {"city": "x"}, "chain": {}},
+                 {"name": "Ada", "home": {"city": "x"}, "same_as_home": {"city": 3}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "add_person", "arguments": args}], schema)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    GrammarCompiler(tokenizer, len(tokenizer)).compile(StructuredOutputsParams(json=constraint))
