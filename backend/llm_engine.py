@@ -38,7 +38,7 @@ from backend.block_pool import ALL_BLOCKS_CLEARED
 from backend.config import EngineConfig, resolve_dtype
 from backend.cpu_threads import run_on_fresh_thread
 from backend.engine_core import CoreSnapshot, EngineCore
-from backend.errors import EngineDeadError
+from backend.errors import EngineDeadError, EngineUnavailableError
 from backend.model_loader import load_model
 from backend.model_runner import kv_bytes_per_block, kv_shape
 from backend.model_support import inspect_attention
@@ -92,6 +92,9 @@ class LLMEngine:
         self._thread_lock = threading.Lock()  # held by start and shutdown
         self._step_lock = threading.Lock()  # held while the core or the output processor changes
         self._stopping = False
+        # Held while a request enters the core and while shutdown raises _stopping: a request is either in the
+        # core before the stop (and aborted with the rest) or refused, never queued after the last abort.
+        self._admit_lock = threading.Lock()
         self._dead: str | None = None  # why the engine is dead, once it is
         self._num_steps = 0
         self._last_step = (0, 0, 0)
@@ -165,6 +168,7 @@ class LLMEngine:
                 ``max_num_waiting_tokens``), or the grammar compiler was busy past the compile timeout;
                 nothing is queued.
             EngineDeadError: the engine is dead (:meth:`check_health`).
+            EngineUnavailableError: :meth:`shutdown` has begun (until :meth:`start` runs the loop again).
         """
         self.check_health()
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -198,12 +202,15 @@ class LLMEngine:
                                         bad_words_token_ids(self.tokenizer, params.bad_words),
                                         self.config.enable_prefix_caching, priority, timeout, make_grammar,
                                         cache_salt)
-        self.output_processor.add_request(parent, requests)  # raises on a duplicate id
-        try:
-            self.engine_core.add_requests(requests)
-        except Exception:
-            self.output_processor.remove_request(parent)
-            raise
+        with self._admit_lock:
+            if self._stopping:
+                raise EngineUnavailableError("the engine is shutting down")
+            self.output_processor.add_request(parent, requests)  # raises on a duplicate id
+            try:
+                self.engine_core.add_requests(requests)
+            except Exception:
+                self.output_processor.remove_request(parent)
+                raise
         return sink
 
     def abort(self, request_id: str) -> None:
@@ -280,11 +287,13 @@ class LLMEngine:
         call waits up to ``timeout`` seconds for it. When no loop thread runs (never started, or ended after
         the engine died), this call does it, holding the lock that ``start`` takes, so no other thread steps
         meanwhile. If the loop is still inside a step after ``timeout``, this call returns without touching
-        the core (logged); the loop thread aborts what is left when that step ends. Requests added after
-        this call returns are never served.
+        the core (logged); the loop thread aborts what is left when that step ends. From the moment this
+        call begins, :meth:`add_request` refuses with :class:`EngineUnavailableError`: every request is
+        either answered (aborted, at worst) or refused.
         """
         with self._thread_lock:
-            self._stopping = True
+            with self._admit_lock:
+                self._stopping = True
             thread = self._thread
             self.engine_core.wake()
             if thread is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -413,3 +415,43 @@ def test_cache_salt_limits_prefix_sharing_to_requests_with_the_same_salt(make_en
     assert cached("a2", "tenant-a") == 48
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request(prompt, SamplingParams(), cache_salt="")
+
+
+def test_a_request_racing_shutdown_is_answered_or_refused_never_lost(make_engine, tiny_model_dir):
+    """Threads keep adding requests while the engine shuts down: each add either raises
+    EngineUnavailableError or its sink gets a final (``done``) output; none is queued after the last abort."""
+    import threading
+
+    from backend import EngineOverloadedError, EngineUnavailableError
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=2)
+    engine.start()
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
+    sinks, refused, stop = [], [], threading.Event()
+
+    def add_until_stopped(worker: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                sinks.append(engine.add_request([1 + worker, 2, 3], params, request_id=f"w{worker}-{i}"))
+            except EngineOverloadedError:
+                pass
+            except EngineUnavailableError as exc:
+                refused.append(str(exc))
+                if len(refused) > 20:
+                    return
+            i += 1
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=add_until_stopped, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    engine.shutdown()
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert sinks and refused and all(r == "the engine is shutting down" for r in refused)
+    for sink in sinks:
+        assert drain(sink)[-1].done
