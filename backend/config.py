@@ -48,6 +48,9 @@ class EngineConfig:
             no replay.
         kv_events_topic: the topic frame of each message; ``$VAR`` / ``${VAR}`` are read from the
             environment (llm-d expects ``kv@<pod>@<model>``).
+        kv_events_encoding: ``map`` (default: each event a msgpack map, as vLLM 0.32 publishes) or ``array``
+            (positional arrays, the layout llm-d's endpoint picker of the gateway overlay decodes);
+            ``backend/kv_events.py``.
         model_impl: ``auto`` runs the compact decoder of ``backend/models`` where the family has one and
             transformers' modules elsewhere; ``transformers`` always runs transformers' modules (vLLM's
             ``--model-impl``).
@@ -91,6 +94,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    kv_events_encoding: str = "map"
     cuda_graphs: str = "off"
     model_runner: str = "default"
     structured_outputs_max_schema_bytes: int = 64 * 1024
@@ -111,6 +115,8 @@ class EngineConfig:
             endpoint = getattr(self, name)
             if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{name} must be a ZeroMQ address (tcp://, ipc:// or inproc://), got {endpoint!r}")
+        if self.kv_events_encoding not in ("map", "array"):
+            raise ValueError(f"kv_events_encoding must be map or array, got {self.kv_events_encoding!r}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_endpoint is not None and not self.enable_prefix_caching:

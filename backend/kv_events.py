@@ -24,6 +24,12 @@ publishes it (``vllm/distributed/kv_events.py``, ``vllm/v1/core/block_pool.py`` 
 - **extra_keys**: one entry per stored block, untagged as vLLM publishes them (``to_event_extra_keys``):
   ``[cache_salt]`` for the first block of a request with a ``cache_salt`` (the salt seeds that block's hash,
   and so every later block's), None for every other block.
+- **Encoding** (``kv_events_encoding``): ``map`` (default) is the layout above, vLLM 0.32.0's. ``array`` sends
+  each event as a positional msgpack array ``[tag, field, ...]`` in the same field order (vLLM's KV event
+  structs were ``array_like`` until they moved to maps in mid-2026): the layout the vLLM adapter of
+  llm-d-kv-cache decodes (``pkg/kvevents/engineadapter/vllm_adapter.go`` at commit 7be76e1, 2026-06-12, the
+  nearest source to the v0.9.0 the gateway overlay's endpoint picker is built with; its map support came later,
+  keeping arrays). Choose the one your router reads; the gateway overlay sets ``array``.
 - **Replay** (ROUTER, optional): a DEALER or REQ client sends ``[b"", start sequence (8 bytes)]`` and gets
   every buffered batch from that sequence on, each as ``[b"", topic, sequence, payload]``, then the end
   marker ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32's replay reply, which carries the topic).
@@ -104,19 +110,38 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
+# The same events as positional arrays ``[tag, field, ...]`` (``kv_events_encoding: array``).
+class BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+ENCODINGS = {"map": (BlockStored, BlockRemoved, AllBlocksCleared),
+             "array": (BlockStoredArray, BlockRemovedArray, AllBlocksClearedArray)}
+
+
 def external_block_hash(block_hash: bytes) -> int:
     """The wire form of a block hash: its last 8 bytes as an unsigned big-endian integer (vLLM's
     ``maybe_convert_block_hash``); 0..2**64-1."""
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def to_vllm_events(raw: list[tuple], block_size: int) -> list[KVCacheEvent]:
+def to_vllm_events(raw: list[tuple], block_size: int, encoding: str = "map") -> list[KVCacheEvent]:
     """Turns ``BlockPool`` event tuples into vLLM events, in order. A stored block whose parent is the
     previous stored block extends that event (as vLLM emits one event per run of blocks); consecutive
-    removals share one event. Each stored block gets its ``extra_keys`` entry.
+    removals share one event. Each stored block gets its ``extra_keys`` entry. ``encoding``: a key of
+    :data:`ENCODINGS` (the event classes, which decide the wire layout).
 
     Raises:
         ValueError: an event tuple of an unknown kind."""
+    BlockStored, BlockRemoved, AllBlocksCleared = ENCODINGS[encoding]  # noqa: N806 (the classes of this layout)
     events: list[KVCacheEvent] = []
     last_stored: bytes | None = None  # hash of the last block of events[-1] when it is a BlockStored
     for entry in raw:
@@ -164,13 +189,19 @@ class KVEventPublisher:
         topic: the first frame of every message; ``$VAR`` / ``${VAR}`` are taken from the environment
             (llm-d expects ``kv@<pod>@<model>``).
         block_size: tokens per block, reported in every ``BlockStored``.
+        encoding: ``map`` (vLLM 0.32's layout) or ``array`` (positional; see the module docstring).
 
     Raises:
         zmq.ZMQError: an address that cannot be bound or parsed.
+        ValueError: an unknown encoding.
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, block_size: int) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str, block_size: int,
+                 encoding: str = "map") -> None:
+        if encoding not in ENCODINGS:
+            raise ValueError(f"KV events encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
         self.block_size = block_size
+        self.encoding = encoding
         self.topic = os.path.expandvars(topic).encode("utf-8")
         self._queue: queue.SimpleQueue[tuple[float, list[tuple]] | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER_BATCHES)
@@ -226,7 +257,7 @@ class KVEventPublisher:
             started = time.perf_counter()
             try:
                 ts, raw = item
-                batch = EventBatch(ts, to_vllm_events(raw, self.block_size), 0)
+                batch = EventBatch(ts, to_vllm_events(raw, self.block_size, self.encoding), 0)
                 payload = encoder.encode(batch)
                 sequence = next(self._sequence)
                 self._pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))

@@ -130,7 +130,7 @@ class LLMEngine:
             from backend.kv_events import KVEventPublisher
 
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
-                                              config.kv_events_topic, config.block_size)
+                                              config.kv_events_topic, config.block_size, config.kv_events_encoding)
             self.engine_core.enable_kv_events()
 
     # -- public API ---------------------------------------------------------------------------------

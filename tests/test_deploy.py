@@ -27,7 +27,7 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from triton_server import free_port, start_server, stop_server
-from vllm_kv_schema import DECODER, BlockStored, apply, local, receive_all, replay
+from vllm_kv_schema import decode_positional, local, receive_all, replay
 
 from serve.launch import DEFAULT_MODEL_REPOSITORY
 
@@ -183,6 +183,7 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
     assert settings["kv_events_endpoint"] == f"tcp://*:{discovery['socketPort']}"
     assert settings["kv_events_replay_endpoint"] == f"tcp://*:{port(triton, 'kv-replay')}"
     assert settings["kv_events_topic"].startswith(kv["kvEventsConfig"]["topicFilter"])
+    assert settings["kv_events_encoding"] == PICKER_RELEASE["kvEventsEncoding"]  # the layout the picker decodes
     config_pbtxt = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
     block_size = int(re.search(r'key: "block_size" value: \{ string_value: "(\d+)"', config_pbtxt).group(1))
     assert kv["tokenProcessorConfig"]["blockSizeTokens"] == settings.get("block_size", block_size)
@@ -559,12 +560,8 @@ def test_a_replica_publishes_kv_events_a_router_can_decode(replicas):
     finally:
         subscriber.close(linger=0)
     assert messages and {m[0] for m in messages} == {b"kv@127.0.0.1:9000@llm"}  # ${POD_IP} expanded
-    state: set[int] = set()
-    stored = []
-    for _, _, payload in messages:
-        batch = DECODER.decode(payload)
-        stored += [e for e in batch.events if isinstance(e, BlockStored)]
-        apply(state, batch, 16)
-    assert len(stored) >= 2 and stored[0].parent_block_hash is None  # the first prompt's blocks, then the second's
+    stored = [e for _, _, payload in messages for e in decode_positional(payload) if e[0] == "BlockStored"]
+    assert len(stored) >= 2 and stored[0][2] is None  # the first prompt's blocks, then the second's
+    assert all(len(e[3]) == 16 * len(e[1]) for e in stored)  # the picker's layout, by position
     first_sequence = int.from_bytes(messages[0][1], "big")
     assert [m[1:] for m in replay(local(replica["replay"]), first_sequence)] == [m[1:] for m in messages]

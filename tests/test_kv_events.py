@@ -12,7 +12,8 @@ import time
 import msgspec
 import pytest
 import zmq
-from vllm_kv_schema import DECODER, AllBlocksCleared, BlockRemoved, BlockStored, apply, local, receive_all, replay
+from vllm_kv_schema import (DECODER, AllBlocksCleared, BlockRemoved, BlockStored, apply, decode_positional, local,
+                             receive_all, replay)
 
 from backend import EngineConfig, LLMEngine, SamplingParams
 from backend.block_pool import sha256_block_hash
@@ -184,10 +185,43 @@ def test_stored_blocks_of_one_prompt_form_one_chained_event(tiny_model_dir, toke
         subscriber.close(linger=0)
 
 
+def test_array_encoding_is_read_by_position_as_llm_d_reads_it(tiny_model_dir, monkeypatch):
+    """``kv_events_encoding: array`` (the deployment's, for llm-d's picker): the same events as positional
+    arrays; replayed by position they leave exactly the engine's cached blocks."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", block_size=BLOCK_SIZE, num_blocks=40,
+                                    max_num_seqs=8, kv_events_endpoint="tcp://*:0", kv_events_encoding="array"))
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(local(engine.kv_events.endpoint))
+    time.sleep(0.5)
+    try:
+        run_workload(engine)
+        snapshot = engine.debug_snapshot()
+        state: set[int] = set()
+        kinds = set()
+        for _, _, payload in receive_all(subscriber):
+            for event in decode_positional(payload):
+                kinds.add(event[0])
+                if event[0] == "BlockStored":
+                    _, hashes, parent, tokens, block_size, extra_keys, group_idx = event
+                    assert (parent is None or parent in state) and block_size == BLOCK_SIZE and group_idx == 0
+                    assert len(tokens) == len(hashes) * BLOCK_SIZE and len(extra_keys) == len(hashes)
+                    state |= set(hashes)
+                elif event[0] == "BlockRemoved":
+                    assert set(event[1]) <= state and event[2] == "GPU"
+                    state -= set(event[1])
+        assert kinds == {"BlockStored", "BlockRemoved"}
+        assert state == {external_block_hash(h) for h in snapshot.cached_block_hashes}
+    finally:
+        engine.shutdown()
+        subscriber.close(linger=0)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"kv_events_endpoint": "localhost:5557"}, "ZeroMQ address"),
     ({"kv_events_replay_endpoint": "tcp://*:5558"}, "needs kv_events_endpoint"),
     ({"kv_events_endpoint": "tcp://*:5557", "enable_prefix_caching": "false"}, "enable_prefix_caching"),
+    ({"kv_events_encoding": "json"}, "map or array"),
 ])
 def test_bad_kv_events_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):

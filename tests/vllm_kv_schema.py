@@ -117,3 +117,25 @@ def receive_all(socket: zmq.Socket, idle_s: float = 0.5) -> list[list[bytes]]:
     while socket.poll(int(idle_s * 1000)):
         messages.append(socket.recv_multipart())
     return messages
+
+
+def decode_positional(payload: bytes) -> list[tuple]:
+    """A batch decoded the way llm-d-kv-cache's vLLM adapter reads positional events
+    (pkg/kvevents/engineadapter/vllm_adapter.go at commit 7be76e1: ``[tag, ...]``, fields by position, trailing
+    ones optional): ("BlockStored", hashes, parent, tokens, block_size, extra_keys, group_idx),
+    ("BlockRemoved", hashes, medium, group_idx) or ("AllBlocksCleared",)."""
+    ts, events, rank = msgspec.msgpack.decode(payload)
+    assert isinstance(ts, float) and rank == 0
+    out = []
+    for fields in events:
+        assert isinstance(fields, list) and isinstance(fields[0], str), fields
+        if fields[0] == "BlockStored":
+            assert len(fields) >= 5 and fields[6] == "GPU" and fields[5] is None and fields[7] is None
+            out.append(("BlockStored", fields[1], fields[2], fields[3], fields[4], fields[8], fields[9]))
+        elif fields[0] == "BlockRemoved":
+            assert len(fields) >= 2
+            out.append(("BlockRemoved", fields[1], fields[2], fields[3]))
+        else:
+            assert fields == ["AllBlocksCleared"] or fields[0] == "AllBlocksCleared"
+            out.append(("AllBlocksCleared",))
+    return out
