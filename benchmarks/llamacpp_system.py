@@ -267,7 +267,9 @@ class LlamaCppSystem:
                                             if config.llamacpp_quant else "")
         self.notes = [f"{llamacpp_version()}; llama-server, {weights}, KV cache {self.kv_type}, "
                       f"{config.threads} threads, continuous batching, {self.slot_len} tokens per slot; "
-                      f"timed at the HTTP client (/completion, streamed)"]
+                      f"timed at the HTTP client (/completion, streamed)",
+                      "llama.cpp's ignore_eos bans the end-of-generation tokens (logit -inf) where ours and vLLM's "
+                      "only keep going past them: a request whose greedy token is one takes another path from there"]
 
     def _start(self, slots: int) -> str:
         """Starts a server with ``slots`` slots; its base URL once ``/health`` answers 200.
