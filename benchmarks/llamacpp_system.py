@@ -335,8 +335,8 @@ class LlamaCppSystem:
         import aiohttp
 
         warm = BenchRequest(-1, (1, 2, 3, 4), "", 4, 0.0)
-        async with aiohttp.ClientSession() as session:
-            await self._stream_one(session, url, warm, RequestRecord(-1, 0.0, 4), [])
+        async with aiohttp.ClientSession() as client:
+            await self._stream_one(client, url, warm, RequestRecord(-1, 0.0, 4), [])
 
     async def _stream_all(self, url: str, requests, records: dict, first_tokens: dict, start: float,
                           arrivals: list[float], concurrency: int | None, mode: str) -> None:
@@ -349,7 +349,7 @@ class LlamaCppSystem:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None)
 
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             async def one(r: BenchRequest) -> None:
                 rec = records[r.index]
                 rec.arrival = start + arrivals[r.index]
@@ -357,7 +357,7 @@ class LlamaCppSystem:
                 async with slots:
                     if concurrency:
                         rec.arrival = time.perf_counter()
-                    await self._stream_one(session, url, r, rec, first_tokens[r.index])
+                    await self._stream_one(client, url, r, rec, first_tokens[r.index])
                 bar.update(1)
 
             try:
@@ -366,7 +366,7 @@ class LlamaCppSystem:
                 bar.close()
 
     @staticmethod
-    async def _stream_one(session, url: str, r: BenchRequest, rec: RequestRecord, first: list[int | None]) -> None:
+    async def _stream_one(client, url: str, r: BenchRequest, rec: RequestRecord, first: list[int | None]) -> None:
         """One request's server-sent events: each partial result carries the token just sampled (``tokens``)
         and the count so far (``tokens_predicted``); a count that jumps means tokens held back inside a UTF-8
         character, recorded at this time with unknown ids (None).
@@ -374,7 +374,7 @@ class LlamaCppSystem:
         Raises:
             RuntimeError: an HTTP error, or a stream that ended before the last result or with another count.
         """
-        async with session.post(f"{url}/completion", json=completion_body(r)) as response:
+        async with client.post(f"{url}/completion", json=completion_body(r)) as response:
             if response.status != 200:
                 raise RuntimeError(f"llama-server /completion: HTTP {response.status}: {await response.text()}")
             final = None
