@@ -280,8 +280,9 @@ class LlamaCppSystem:
         port = free_port()
         command = server_command(self.bin_dir, self.gguf, self.config, self.kv_type, slots, self.slot_len, port)
         self.log_path = self.workdir / f"llama-server-{slots}.log"
-        self.process = subprocess.Popen(command, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+        with open(self.log_path, "w") as server_log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

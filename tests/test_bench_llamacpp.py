@@ -4,6 +4,8 @@ on the tiny workload against our engine (slow; it needs the llama.cpp build, ``m
 from __future__ import annotations
 
 
+import shutil
+
 import pytest
 
 from benchmarks.__main__ import parse_args
@@ -109,7 +111,10 @@ def llamacpp_report(model_dir: str, output_dir) -> dict:
 @pytest.mark.skipif(llamacpp_built() is None, reason="llama.cpp is not built: `make llamacpp` (10-20 minutes on "
                                                       "2 cores) builds build/llama.cpp/ once")
 def test_llamacpp_serves_the_tiny_workload_with_exact_counts_and_our_greedy_tokens(tiny_model_dir, tmp_path):
-    report = llamacpp_report(tiny_model_dir, tmp_path)
+    try:
+        report = llamacpp_report(tiny_model_dir, tmp_path)
+    finally:  # the tiny model is new in every test session: its GGUF would only pile up under build/
+        shutil.rmtree(gguf_cache_dir(tiny_model_dir), ignore_errors=True)
     assert report["skipped"] == {}
     runs = {(r["system"], r["mode"]): r for r in report["runs"]}
     total = report["workload"]["total_output_tokens"]
