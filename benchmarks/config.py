@@ -32,7 +32,8 @@ class BenchConfig:
         systems / modes: which of :data:`SYSTEMS` and :data:`MODES` to run (by default all but ``llamacpp``).
         model: a Hugging Face directory; None is the default SmolLM2-135M-Instruct (the server always serves
             the default, so it is skipped for any other model).
-        threads: torch intra-op threads, the same for every system in this process (and vLLM's OpenMP threads).
+        threads: torch intra-op threads, the same for every system in this process (and vLLM's OpenMP threads,
+            llama-server's ``-t``/``-tb``).
         dtype: of every system's weights and KV cache; ``auto`` as the engine resolves it (bf16 on CPUs with
             AVX512-BF16 or AMX, else fp32).
         prompt_tokens: (min, max) prompt length in tokens, drawn log-uniformly (long-tailed).
