@@ -16,7 +16,7 @@ SOAK_TIME ?= 30m
 SOAK_USERS ?= 64
 DOCS_ADDR ?= 127.0.0.1:8080
 
-.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-serving-path loadtest soak clean
+.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-serving-path llamacpp loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,10 @@ bench: install
 # Ours against vLLM's CPU build on the same workload (vLLM gets a venv of its own, .venv-vllm, on first use).
 bench-peers: install
 	$(BIN)/python -m benchmarks --systems engine,vllm --rounds 3 $(BENCH_ARGS)
+
+# llama.cpp's llama-server and llama-quantize for `--systems llamacpp`, built once into build/llama.cpp/ (10-20 min).
+llamacpp: install
+	$(BIN)/python -c "from benchmarks.llamacpp_system import ensure_llamacpp; print(ensure_llamacpp())"
 
 # The serving path alone (zero-cost model through tritonserver at 1/64/256/1024 streams): docs/performance.md.
 bench-serving-path: install

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import sys
 
-from benchmarks.config import MODES, QUICK, SYSTEMS, BenchConfig
+from benchmarks.config import LLAMACPP_QUANTS, MODES, QUICK, SYSTEMS, BenchConfig
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -20,7 +20,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 3.0)")
     parser.add_argument("--concurrency", type=int,
                         help="requests in flight in the concurrent mode, a closed loop (default 16; quick 4)")
-    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
+    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all but llamacpp, "
+                                          f"which compiles llama.cpp on first use)")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default all)")
     parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                                         "smollm2-360m, smollm2-1.7b, llama-3b (benchmarks.shapes; written once)")
     parser.add_argument("--limits", action="store_true",
                         help="measure memory bandwidth and GEMM peak and report the model's bounds (on with --shape)")
+    parser.add_argument("--llamacpp-quant", choices=LLAMACPP_QUANTS,
+                        help="llama.cpp runs its own quantized weights (llama-quantize) instead of --dtype ones: "
+                             "faster, and different numbers (its greedy tokens differ)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -53,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
-                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape"):
+                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape",
+                  "llamacpp_quant"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

@@ -8,8 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "vllm", "ceiling", "prefix_cache")
+SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "vllm", "llamacpp", "ceiling",
+           "prefix_cache")
 MODES = ("offline", "online", "concurrent")
+# llama.cpp runs only when asked for: its first use compiles it (10-20 minutes on 2 cores).
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "llamacpp")
+LLAMACPP_QUANTS = ("q8_0", "q4_0")
 # The HF baselines run one request or one batch at a time; a closed loop of N in flight is a serving workload.
 BASELINE_MODES = ("offline", "online")
 
@@ -25,10 +29,11 @@ class BenchConfig:
         concurrency: requests in flight in the ``concurrent`` mode (a closed loop: each request is sent when an
             earlier one has finished, as a fixed pool of clients would; vLLM's benchmark calls this
             ``--max-concurrency``).
-        systems / modes: which of :data:`SYSTEMS` and :data:`MODES` to run.
+        systems / modes: which of :data:`SYSTEMS` and :data:`MODES` to run (by default all but ``llamacpp``).
         model: a Hugging Face directory; None is the default SmolLM2-135M-Instruct (the server always serves
             the default, so it is skipped for any other model).
-        threads: torch intra-op threads, the same for every system in this process (and vLLM's OpenMP threads).
+        threads: torch intra-op threads, the same for every system in this process (and vLLM's OpenMP threads,
+            llama-server's ``-t``/``-tb``).
         dtype: of every system's weights and KV cache; ``auto`` as the engine resolves it (bf16 on CPUs with
             AVX512-BF16 or AMX, else fp32).
         prompt_tokens: (min, max) prompt length in tokens, drawn log-uniformly (long-tailed).
@@ -53,6 +58,8 @@ class BenchConfig:
         shape: a model shape with random weights (``benchmarks.shapes``) instead of ``model``.
         limits: measure the machine's memory bandwidth and GEMM peak and report the model's bounds
             (``benchmarks.limits``); on by default with ``shape``.
+        llamacpp_quant: llama.cpp runs its own quantized weights (``q8_0`` or ``q4_0``, made by ``llama-quantize``
+            from the ``dtype`` GGUF) instead of ``dtype`` ones; None: the same weights as the other systems.
         output_dir: where the JSON, markdown and PNGs go.
         progress: show tqdm progress bars.
     """
@@ -61,7 +68,7 @@ class BenchConfig:
     seed: int = 0
     rate: float = 1.0
     concurrency: int = 16
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     modes: tuple[str, ...] = MODES
     model: str | None = None
     threads: int = field(default_factory=torch.get_num_threads)
@@ -84,6 +91,7 @@ class BenchConfig:
     rounds: int = 1
     shape: str | None = None
     limits: bool = False
+    llamacpp_quant: str | None = None
     output_dir: str = "results/bench"
     quick: bool = False
     progress: bool = True
@@ -101,6 +109,9 @@ class BenchConfig:
                      "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.llamacpp_quant not in (None, *LLAMACPP_QUANTS):
+            raise ValueError(f"llamacpp_quant must be one of {', '.join(LLAMACPP_QUANTS)} (or None), "
+                             f"got {self.llamacpp_quant!r}")
         if not (0 < self.rate < math.inf):
             raise ValueError(f"rate must be a positive finite number of requests/s, got {self.rate}")
         for name in ("naive_max_requests", "static_max_requests", "online_max_requests"):

@@ -12,7 +12,8 @@ from benchmarks.machine import features_text
 
 LABELS = {"naive": "naive (HF generate, 1 at a time)", "static": "static batching (HF generate)",
           "generate_batch": "HF continuous batching", "engine": "ours, in process",
-          "server": "ours via Triton gRPC", "vllm": "vLLM CPU, in process", "ceiling": "ceiling (forward only)"}
+          "server": "ours via Triton gRPC", "vllm": "vLLM CPU, in process",
+          "llamacpp": "llama.cpp server, HTTP", "ceiling": "ceiling (forward only)"}
 # (key, numerator, denominator, target ratio): output tokens/s of one system over another's, per mode;
 # "system:field" reads another tokens/s field of that system's run.
 RATIOS = (("engine_vs_static", "engine", "static", 4.0), ("engine_vs_generate_batch", "engine", "generate_batch", 3.5),
@@ -20,7 +21,7 @@ RATIOS = (("engine_vs_static", "engine", "static", 4.0), ("engine_vs_generate_ba
           ("engine_vs_ceiling_with_prefill", "engine", "ceiling:with_prefill_tokens_per_s", 0.85),
           ("engine_step_vs_ceiling_step", "ceiling:engine_output_tokens_per_s", "ceiling", 0.85),
           ("server_vs_engine", "server", "engine", 0.95), ("engine_vs_vllm", "engine", "vllm", 1.2),
-          ("server_vs_vllm", "server", "vllm", 1.2))
+          ("server_vs_vllm", "server", "vllm", 1.2), ("engine_vs_llamacpp", "engine", "llamacpp", 1.0))
 KV_WASTE_TARGET_PCT = 4.0
 DEFINITIONS = {
     "output_tokens_per_s": "useful output tokens (each request's own length) / (last finish - run start)",
@@ -129,15 +130,20 @@ def _checks(runs: list[dict], workload: dict) -> dict:
     exact = {name(r): r["output_tokens"] == r["expected_tokens"] for r in served}
     full = {name(r): r["expected_tokens"] == workload["total_output_tokens"] for r in served}
     return {"tokens_exact": exact, "covers_whole_workload": full, "all_tokens_exact": all(exact.values()),
-            "same_first_tokens_as_vllm": _agreement(runs)}
+            "same_first_tokens_as_vllm": _agreement(runs, "vllm"),
+            "same_first_tokens_as_llamacpp": _agreement(runs, "llamacpp")}
 
 
-def _agreement(runs: list[dict]) -> dict:
-    """Per mode: of the requests both our engine and vLLM ran, how many got the same first 16 greedy tokens."""
+AGREEMENT_PEERS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+
+
+def _agreement(runs: list[dict], peer_name: str) -> dict:
+    """Per mode: of the requests both our engine and ``peer_name`` ran (with all 16 token ids known), how many got
+    the same first 16 greedy tokens (the first round's runs)."""
     out = {}
     for mode in MODES:
         ours, peer = (next((r.get("first_tokens") for r in runs if r["system"] == s and r["mode"] == mode), None)
-                      for s in ("engine", "vllm"))
+                      for s in ("engine", peer_name))
         if ours and peer:
             common = set(ours) & set(peer)
             out[mode] = {"requests": len(common), "same": sum(ours[k] == peer[k] for k in common)}
@@ -223,9 +229,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {t['name']} | {t['target']} | {_ratio(t['value'], t['name'])} | {met} |")
     checks = report["checks"]
     lines += ["", f"Token counts exact for every run: {'yes' if checks['all_tokens_exact'] else '**NO**'}."]
-    for mode, agreement in checks.get("same_first_tokens_as_vllm", {}).items():
-        lines.append(f"Same first 16 greedy tokens as vLLM ({mode}): {agreement['same']} of {agreement['requests']} "
-                     f"requests.")
+    lines += agreement_lines(checks)
     lines += ["", "Notes:", ""]
     notes: dict[tuple[str, str], list[str]] = {}  # (system, note) -> modes, so a note shared by modes shows once
     for r in report["runs"]:
@@ -277,13 +281,19 @@ def page_markdown(report: dict) -> str:
     checks = report["checks"]
     lines += ["", f"Every run produced exactly the workload's output lengths: "
                   f"{'yes' if checks['all_tokens_exact'] else '**no**'}."]
-    for mode, agreement in checks.get("same_first_tokens_as_vllm", {}).items():
-        lines.append(f"Same first 16 greedy tokens as vLLM ({mode}): {agreement['same']} of {agreement['requests']} "
-                     f"requests.")
+    lines += agreement_lines(checks)
     return "\n".join(lines) + "\n"
 
 
-PAGE_RATIOS = ("engine_vs_vllm", "server_vs_vllm", "server_vs_engine", "engine_vs_static", "engine_vs_naive")
+def agreement_lines(checks: dict) -> list[str]:
+    """Markdown lines: per peer and mode, how many requests got our engine's first 16 greedy tokens."""
+    return [f"Same first 16 greedy tokens as {label} ({mode}): {agreement['same']} of {agreement['requests']} "
+            f"requests." for peer, label in AGREEMENT_PEERS.items()
+            for mode, agreement in checks.get(f"same_first_tokens_as_{peer}", {}).items()]
+
+
+PAGE_RATIOS = ("engine_vs_vllm", "server_vs_vllm", "engine_vs_llamacpp", "server_vs_engine", "engine_vs_static",
+               "engine_vs_naive")
 
 
 def spread_table(report: dict) -> list[str]:

@@ -44,6 +44,10 @@ def _build(name: str, config: BenchConfig, model_dir: str, workload: Workload, p
         from backend.config import resolve_dtype
         from benchmarks.vllm_system import VllmSystem
         return VllmSystem(config, model_dir, resolve_dtype(config.dtype, "cpu"), max_model_len(model_dir))
+    if name == "llamacpp":
+        from backend.config import resolve_dtype
+        from benchmarks.llamacpp_system import LlamaCppSystem
+        return LlamaCppSystem(config, model_dir, resolve_dtype(config.dtype, "cpu"), workload)
     if name == "server":
         from benchmarks.server_system import ServerSystem
         return ServerSystem(config)

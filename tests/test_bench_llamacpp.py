@@ -1,0 +1,132 @@
+"""llama.cpp as a benchmark peer: the server's command line and slot arithmetic (fast), and a real llama-server
+on the tiny workload against our engine (slow; it needs the llama.cpp build, ``make llamacpp``)."""
+
+from __future__ import annotations
+
+
+import shutil
+
+import pytest
+
+from benchmarks.__main__ import parse_args
+from benchmarks.config import DEFAULT_SYSTEMS, BenchConfig
+from benchmarks.llamacpp_system import (completion_body, gguf_cache_dir, gguf_type, kv_bytes_per_token,
+                                        llamacpp_built, plan_slots, server_command, slot_length)
+from benchmarks.report import build_report, markdown
+from benchmarks.workload import BenchRequest, Workload
+from test_bench import tiny_config
+
+
+def workload_of(*shapes: tuple[int, int]) -> Workload:
+    """Requests of (prompt tokens, output tokens)."""
+    requests = tuple(BenchRequest(i, tuple(range(1, p + 1)), "", out, 0.0) for i, (p, out) in enumerate(shapes))
+    return Workload(requests, 0, 1.0, 0, "")
+
+
+def test_a_slot_holds_the_longest_prompt_and_output_rounded_up_to_256_tokens():
+    assert slot_length(workload_of((10, 5), (200, 56))) == 256
+    assert slot_length(workload_of((10, 5), (200, 57))) == 512
+    assert slot_length(workload_of((255, 513))) == 768
+
+
+def test_kv_bytes_per_token_count_k_and_v_of_every_layer(tiny_model_dir):
+    # tiny llama: 2 layers, 2 KV heads of 16 dims; K and V
+    assert kv_bytes_per_token(tiny_model_dir, "f32") == 2 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(tiny_model_dir, "bf16") == 2 * 2 * 2 * 16 * 2
+
+
+def test_slots_are_the_closed_loop_or_what_fits_max_num_seqs_the_requests_and_the_kv_pool():
+    config = BenchConfig(max_num_seqs=256, concurrency=16, kv_cache_bytes=4 << 30)
+    token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, f32 KV
+    assert plan_slots(config, "concurrent", 256, 768, token_bytes) == 16
+    assert plan_slots(config, "concurrent", 4, 768, token_bytes) == 4
+    assert plan_slots(config, "offline", 12, 256, token_bytes) == 12
+    # 256 slots of 768 tokens would need 9 GB: as many as fit 4 GiB
+    assert plan_slots(config, "offline", 256, 768, token_bytes) == (4 << 30) // (768 * token_bytes) == 121
+    assert plan_slots(config, "online", 64, 768, token_bytes) == 64
+    with pytest.raises(ValueError, match="more than kv_cache_bytes"):
+        plan_slots(BenchConfig(kv_cache_bytes=1 << 20), "offline", 8, 768, token_bytes)
+
+
+def test_server_command_gives_each_slot_its_share_of_the_context_and_the_runs_threads(tmp_path):
+    config = BenchConfig(threads=3, max_num_batched_tokens=1024)
+    command = server_command(tmp_path, tmp_path / "m.gguf", config, "f32", slots=5, slot_len=512, port=4321)
+    assert command[0] == str(tmp_path / "llama-server")
+
+    def value(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    assert (value("-m"), value("--host"), value("--port")) == (str(tmp_path / "m.gguf"), "127.0.0.1", "4321")
+    assert (value("-t"), value("-tb"), value("--parallel"), value("-c")) == ("3", "3", "5", str(5 * 512))
+    assert (value("-ctk"), value("-ctv"), value("-b")) == ("f32", "f32", "1024")
+    assert {"--no-kv-unified", "--cont-batching", "--no-webui"} <= set(command)
+
+
+def test_completion_request_is_greedy_streamed_token_ids_of_exact_length():
+    body = completion_body(BenchRequest(0, (5, 6, 7), "ignored", 9, 0.0))
+    assert body == {"prompt": [5, 6, 7], "n_predict": 9, "ignore_eos": True, "temperature": 0.0,
+                    "cache_prompt": False, "stream": True, "return_tokens": True}
+
+
+def test_dtype_and_quantization_choices_are_checked():
+    assert (gguf_type("float32"), gguf_type("bfloat16")) == ("f32", "bf16")
+    with pytest.raises(ValueError, match="no GGUF type"):
+        gguf_type("int8")
+    assert parse_args(["--systems", "engine,llamacpp", "--llamacpp-quant", "q8_0"]).llamacpp_quant == "q8_0"
+    with pytest.raises(ValueError, match="llamacpp_quant"):
+        BenchConfig(llamacpp_quant="q5_k")
+    assert "llamacpp" not in DEFAULT_SYSTEMS and "llamacpp" not in BenchConfig().systems
+
+
+def test_gguf_cache_key_follows_the_model_directory_and_its_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"1234")
+    first = gguf_cache_dir(tmp_path, tmp_path / "cache")
+    assert first == gguf_cache_dir(tmp_path, tmp_path / "cache")
+    (tmp_path / "model.safetensors").write_bytes(b"123456")
+    assert gguf_cache_dir(tmp_path, tmp_path / "cache") != first
+
+
+def summary(system: str, mode: str, tokens_per_s: float, first_tokens: dict) -> dict:
+    return {"system": system, "mode": mode, "output_tokens_per_s": tokens_per_s, "output_tokens": 10,
+            "expected_tokens": 10, "first_tokens": first_tokens}
+
+
+def test_report_gives_the_ratio_to_llamacpp_and_the_greedy_agreement():
+    runs = [summary("engine", "offline", 300.0, {0: [1, 2], 1: [3, 4], 2: [5, 6]}),
+            summary("llamacpp", "offline", 200.0, {0: [1, 2], 1: [3, 9]})]  # request 2: ids unknown, left out
+    report = build_report({}, {}, {"total_output_tokens": 10}, runs, {})
+    assert report["ratios"]["offline"]["engine_vs_llamacpp"] == pytest.approx(1.5)
+    assert report["checks"]["same_first_tokens_as_llamacpp"] == {"offline": {"requests": 2, "same": 1}}
+    assert report["checks"]["same_first_tokens_as_vllm"] == {}
+
+
+def llamacpp_report(model_dir: str, output_dir) -> dict:
+    from benchmarks.runner import run_benchmark
+
+    return run_benchmark(tiny_config(model_dir, output_dir, systems=("engine", "llamacpp"), dtype="float32"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(llamacpp_built() is None, reason="llama.cpp is not built: `make llamacpp` (10-20 minutes on "
+                                                      "2 cores) builds build/llama.cpp/ once")
+def test_llamacpp_serves_the_tiny_workload_with_exact_counts_and_our_greedy_tokens(tiny_model_dir, tmp_path):
+    try:
+        report = llamacpp_report(tiny_model_dir, tmp_path)
+    finally:  # the tiny model is new in every test session: its GGUF would only pile up under build/
+        shutil.rmtree(gguf_cache_dir(tiny_model_dir), ignore_errors=True)
+    assert report["skipped"] == {}
+    runs = {(r["system"], r["mode"]): r for r in report["runs"]}
+    total = report["workload"]["total_output_tokens"]
+    for mode in ("offline", "online", "concurrent"):
+        run = runs[("llamacpp", mode)]
+        assert run["requests"] == report["workload"]["num_requests"]
+        assert run["output_tokens"] == run["expected_tokens"] == total
+        assert run["output_tokens_per_s"] > 0 and run["ttft_s_p50"] > 0 and run["itl_ms_p50"] > 0
+        # fp32 both, the same weights: greedy tokens agree except where two logits are within rounding
+        agreement = report["checks"]["same_first_tokens_as_llamacpp"][mode]
+        assert agreement["requests"] >= report["workload"]["num_requests"] - 1, agreement
+        assert agreement["same"] >= agreement["requests"] - 1, agreement
+    assert report["ratios"]["offline"]["engine_vs_llamacpp"] > 0
+    assert "llama.cpp server, HTTP" in markdown(report)
+    assert "Same first 16 greedy tokens as llama.cpp (offline)" in markdown(report)
