@@ -130,11 +130,11 @@ def tokens_of(deltas) -> list[int]:
 def test_greedy_tokens_equal_with_and_without_speculation_in_a_mixed_batch(engines, tokenizer):
     code = code_prompt(tokenizer)
     requests = {
-        "code": (code, SamplingParams(max_tokens=48, **GREEDY)),
-        "list": (list_prompt(tokenizer, "apple"), SamplingParams(max_tokens=30, **GREEDY)),
+        "code": (code, SamplingParams(max_tokens=32, **GREEDY)),
+        "list": (list_prompt(tokenizer, "apple"), SamplingParams(max_tokens=24, **GREEDY)),
         # never speculate: logprobs wanted, and a sampled request
-        "logprobs": (list_prompt(tokenizer, "pear"), SamplingParams(max_tokens=20, logprobs=1, **GREEDY)),
-        "sampled": (list_prompt(tokenizer, "plum"), SamplingParams(max_tokens=20, temperature=0.8, seed=3)),
+        "logprobs": (list_prompt(tokenizer, "pear"), SamplingParams(max_tokens=12, logprobs=1, **GREEDY)),
+        "sampled": (list_prompt(tokenizer, "plum"), SamplingParams(max_tokens=8, temperature=0.8, seed=3)),
     }
     stats_before = engines[4].stats()
     want, got = run(engines[0], requests), run(engines[4], requests)
@@ -180,12 +180,14 @@ def test_stop_string_and_max_tokens_inside_an_accepted_run_end_where_plain_decod
 @pytest.mark.real_model
 def test_speculation_under_preemption_and_prefix_hits_gives_the_plain_greedy_tokens(engines, default_model_dir,
                                                                                      tokenizer):
-    prompts = {f"r{i}": list_prompt(tokenizer, topic) for i, topic in enumerate(("red", "green", "blue"))}
-    requests = {rid: (p, SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)) for rid, p in prompts.items()}
+    # Plain text that repeats itself (no shared chat template: each request holds its own blocks).
+    prompts = {f"r{i}": tokenizer.encode(f"{topic} one, {topic} two, {topic} three, {topic} one, {topic} two,")
+               for i, topic in enumerate(("red", "green"))}
+    requests = {rid: (p, SamplingParams(max_tokens=28, ignore_eos=True, **GREEDY)) for rid, p in prompts.items()}
     want = run(engines[0], requests)
-    # A pool too small for the three at once: requests are preempted and recomputed, drafts and all.
-    tiny = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", block_size=16,
-                                  num_blocks=-(-(len(prompts["r0"]) + 40) // 16) + 3, num_speculative_tokens=4,
+    # A pool for one request and two blocks: the second is preempted and recomputed, drafts and all.
+    tiny = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", block_size=8,
+                                  num_blocks=-(-(len(prompts["r0"]) + 28) // 8) + 2, num_speculative_tokens=4,
                                   prompt_lookup_min=2, prompt_lookup_max=4))
     try:
         got = run(tiny, requests)
