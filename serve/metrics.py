@@ -6,7 +6,9 @@ backend, which Triton's ORCA load report and the Kubernetes Gateway API Inferenc
 read (engine type ``triton-tensorrt-llm``: the model-server protocol, gateway-api-inference-extension
 ``docs/proposals/003-model-server-protocol``). With the model setting ``vllm_metrics`` true (the default), the protocol's
 vLLM names are published too (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well.
+``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well,
+and vLLM's speculative decoding counters (``vllm:spec_decode_num_drafts_total``,
+``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total``).
 """
 
 from __future__ import annotations
