@@ -152,16 +152,16 @@ class OutputProcessor:
             self.generation_tokens += num_new
             token_logprobs = logprobs.get(request.request_id)
             outputs += self._emit(request, request.token_ids[-num_new:],
-                                  None if token_logprobs is None else [token_logprobs])
+                                  None if token_logprobs is None else [token_logprobs], state)
         for request in without_token:
             outputs += self._emit(request, [], None)
         return outputs
 
-    def _emit(self, request: Request, token_ids: list[int],
-              logprobs: list[TokenLogprobs] | None) -> list[tuple[queue.Queue, RequestOutput]]:
+    def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+              state: RequestState | None = None) -> list[tuple[queue.Queue, RequestOutput]]:
         """This step's delta of ``request`` (none while ``stream_interval`` holds it back; two when an error
-        follows held-back tokens)."""
-        state = self._states[request.request_id]
+        follows held-back tokens); ``state``: its :class:`RequestState` when the caller has it at hand."""
+        state = state or self._states[request.request_id]
         parent = state.parent
         finished = request.is_finished
         out = RequestOutput(parent.request_id, token_ids, state.detokenizer.delta(final=finished),
