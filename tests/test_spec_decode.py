@@ -200,3 +200,27 @@ def test_speculation_under_preemption_and_prefix_hits_gives_the_plain_greedy_tok
     assert tokens_of(again) == tokens_of(want["r0"]) and again[0].num_cached_tokens > 0
     assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
     assert stats.kv.used_blocks == 0  # every block back once all finished
+
+
+def test_zero_cost_runner_verifies_drafts_against_its_cycle(make_engine, tiny_model_dir):
+    """The serving-path runner takes drafts too: once its token cycle repeats, the proposer guesses it right."""
+    outputs, stats = {}, {}
+    for k in (0, 4):
+        engine = make_engine(tiny_model_dir, model_runner="zero_cost", num_speculative_tokens=k)
+        sink = engine.add_request([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True, **GREEDY), request_id="z")
+        deltas = run_to_completion(engine, {"z": sink})["z"]
+        outputs[k], stats[k] = tokens_of(deltas), engine.stats()
+        assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 200
+    assert outputs[4] == outputs[0] and len(outputs[4]) == 200
+    assert stats[4].spec_decode_num_accepted_tokens > 100 and stats[4].num_steps < stats[0].num_steps / 2
+    assert stats[4].generation_tokens == 200
+
+
+def test_benchmark_measures_a_run_and_its_acceptance(make_engine, tiny_model_dir):
+    from benchmarks.speculative import measure
+
+    engine = make_engine(tiny_model_dir, model_runner="zero_cost", num_speculative_tokens=2)
+    row = measure(engine, [5, 6, 7], 150)
+    assert row["output_tokens"] == len(row["token_ids"]) == 150
+    assert 0 < row["accepted_tokens"] <= row["draft_tokens"] and 0 < row["acceptance"] <= 1
+    assert row["steps_after_first"] < 149 and row["tokens_per_s"] > 0 and row["itl_p50_ms"] >= 0
