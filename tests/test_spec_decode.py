@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_to_completion
+from conftest import build_tiny_model, run_to_completion
 
 from backend import EngineConfig, LLMEngine, SamplingParams
 from backend.ngram_proposer import NgramProposer, can_speculate
@@ -224,3 +224,25 @@ def test_benchmark_measures_a_run_and_its_acceptance(make_engine, tiny_model_dir
     assert row["output_tokens"] == len(row["token_ids"]) == 150
     assert 0 < row["accepted_tokens"] <= row["draft_tokens"] and 0 < row["acceptance"] <= 1
     assert row["steps_after_first"] < 149 and row["tokens_per_s"] > 0 and row["itl_p50_ms"] >= 0
+
+
+@pytest.fixture(scope="module")
+def looping_model_dir(tmp_path_factory, tokenizer):
+    """A tiny random llama whose small initial weights (range 0.02) make its greedy output fall into loops, so the
+    proposer finds drafts in its own output, some right and some wrong."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-looping"), "llama", tokenizer, initializer_range=0.02)
+
+
+@pytest.mark.parametrize("settings", [dict(attention_backend="torch"), dict(model_impl="transformers"),
+                                      dict(block_size=4, enable_prefix_caching=False)])
+def test_every_model_path_gives_the_same_greedy_tokens_with_drafts(settings, make_engine, looping_model_dir):
+    """The compact decoder on the torch backend, transformers' modules, and small blocks without prefix caching."""
+    prompts = {"a": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "b": [9, 10, 11, 9, 10, 11, 9]}
+    requests = {rid: (p, SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)) for rid, p in prompts.items()}
+    outputs, stats = {}, {}
+    for k in (0, 3):
+        engine = make_engine(looping_model_dir, num_speculative_tokens=k, prompt_lookup_min=1, **settings)
+        outputs[k] = {rid: tokens_of(d) for rid, d in run(engine, requests).items()}
+        stats[k] = engine.stats()
+    assert outputs[3] == outputs[0]
+    assert 0 < stats[3].spec_decode_num_accepted_tokens < stats[3].spec_decode_num_draft_tokens
