@@ -233,10 +233,16 @@ def looping_model_dir(tmp_path_factory, tokenizer):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-looping"), "llama", tokenizer, initializer_range=0.02)
 
 
-@pytest.mark.parametrize("settings", [dict(attention_backend="torch"), dict(model_impl="transformers"),
-                                      dict(block_size=4, enable_prefix_caching=False)])
+@pytest.mark.parametrize("settings", [
+    pytest.param(dict(attention_backend="torch"), id="torch"),
+    pytest.param(dict(attention_backend="triton"), id="triton-interpreted", marks=pytest.mark.slow),
+    pytest.param(dict(model_impl="transformers"), id="transformers"),
+    pytest.param(dict(block_size=4, enable_prefix_caching=False), id="small-blocks-no-caching")])
 def test_every_model_path_gives_the_same_greedy_tokens_with_drafts(settings, make_engine, looping_model_dir):
-    """The compact decoder on the torch backend, transformers' modules, and small blocks without prefix caching."""
+    """The compact decoder on the torch and Triton backends (the selector's default, ``cpu``, runs in the real-model
+    tests), transformers' modules, and small blocks without prefix caching."""
+    if settings.get("attention_backend") == "triton":
+        pytest.importorskip("triton")
     prompts = {"a": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "b": [9, 10, 11, 9, 10, 11, 9]}
     requests = {rid: (p, SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)) for rid, p in prompts.items()}
     outputs, stats = {}, {}
