@@ -9,8 +9,8 @@ Inference from Transformers via Speculative Decoding"; ``backend.sampler.accept_
 
 Matching: for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the most recent earlier occurrence of the
 last n tokens; the first n that occurs wins (the longest match), and up to ``k`` tokens that follow it are the
-drafts. The search runs over the token ids packed as 32-bit integers with ``bytes.rfind`` (C speed; about 0.1 ms
-for 4,000 tokens), keeping only 4-byte-aligned hits.
+drafts. The search runs over the token ids packed as 32-bit integers with ``bytes.rfind`` (C speed: about 15 us
+for 2,000 tokens without a match, measured on one core), keeping only 4-byte-aligned hits.
 
 Which requests may speculate is :func:`can_speculate`'s decision (greedy and nothing that makes a token depend on
 more than the logits of its position).
