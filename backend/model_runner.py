@@ -140,7 +140,7 @@ class ModelRunner:
             requests, logits_rows = _verification_rows(verifying, cu_seqlens[1:][sample_rows].tolist())
         else:
             logits_rows = cu_seqlens[1:][sample_rows] - 1
-        if prompt_rows:  # after the sampling rows: hidden[:len(sample_rows)] samples, the rest scores prompts
+        if prompt_rows:  # after the sampling rows: hidden[:num_sample] samples, the rest scores prompts
             logits_rows = torch.cat([logits_rows, torch.tensor([r for p in prompt_rows for r in p.rows])])
         num_sample = len(requests)  # rows that sample (with drafts: one per draft too)
         prompt_out = {}
