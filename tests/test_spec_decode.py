@@ -252,3 +252,18 @@ def test_every_model_path_gives_the_same_greedy_tokens_with_drafts(settings, mak
         stats[k] = engine.stats()
     assert outputs[3] == outputs[0]
     assert 0 < stats[3].spec_decode_num_accepted_tokens < stats[3].spec_decode_num_draft_tokens
+
+
+def test_served_config_names_the_settings_and_leaves_speculation_off():
+    """``config.pbtxt``'s parameters build an EngineConfig as the Triton model builds it (adapter keys aside)."""
+    import re
+
+    text = (ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
+    settings = dict(re.findall(r'parameters: \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', text))
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        assert key in settings
+    settings.pop("vllm_metrics"), settings.pop("drain_grace_s")
+    config = EngineConfig.from_dict(settings)
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (0, 2, 5)
+    identical = {(ROOT / "model_repository" / "llm" / v / "model.py").read_text() for v in ("1", "2")}
+    assert len(identical) == 1
