@@ -16,7 +16,7 @@ SOAK_TIME ?= 30m
 SOAK_USERS ?= 64
 DOCS_ADDR ?= 127.0.0.1:8080
 
-.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-serving-path llamacpp loadtest soak clean
+.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-serving-path bench-speculative llamacpp loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -79,6 +79,10 @@ llamacpp: install
 # The serving path alone (zero-cost model through tritonserver at 1/64/256/1024 streams): docs/performance.md.
 bench-serving-path: install
 	$(BIN)/python -m benchmarks.serving_path $(BENCH_ARGS)
+
+# Speculative decoding (n-gram prompt lookup) off vs on, one stream, fp32 and bf16: docs/performance.md.
+bench-speculative: install
+	$(BIN)/python -m benchmarks.speculative $(BENCH_ARGS)
 
 loadtest: install
 	$(BIN)/python -m loadtest --host http://localhost:$(HTTP_PORT) --grpc-host localhost:$(GRPC_PORT) \

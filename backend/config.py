@@ -71,6 +71,12 @@ class EngineConfig:
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
+        num_speculative_tokens: speculative decoding by n-gram prompt lookup (vLLM's ``speculative_config``
+            ``{"method": "ngram", "num_speculative_tokens": k, ...}``): each decode step of a greedy request
+            proposes up to k draft tokens that follow an earlier occurrence of its last tokens
+            (:mod:`backend.ngram_proposer`) and verifies them in the same forward pass. 0 (default): off.
+        prompt_lookup_min / prompt_lookup_max: the shortest and longest suffix (tokens) of a request looked up
+            earlier in it; the longest that occurs wins.
     """
 
     model: str | None = None
@@ -101,6 +107,9 @@ class EngineConfig:
     structured_outputs_max_schema_depth: int = 32
     structured_outputs_max_schema_keywords: int = 2048
     structured_outputs_compile_timeout: float = 10.0
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
@@ -140,6 +149,17 @@ class EngineConfig:
         timeout = self.structured_outputs_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            _require_positive_int(name, getattr(self, name))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if k >= self.max_num_batched_tokens:
+            raise ValueError(f"num_speculative_tokens ({k}) must be below max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}): a decode computes its token and its drafts in one step")
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))

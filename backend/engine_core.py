@@ -50,7 +50,8 @@ class EngineCoreOutput:
     """What one step changed.
 
     Attributes:
-        new_token: requests that got a token (finished ones included).
+        new_token: requests that got one or more tokens (several after a speculative decode; finished ones
+            included).
         ended: requests that ended without a token (aborted, timed out, or failed with ``error`` set).
         logprobs: request id -> logprobs of its new token, for requests that asked.
         prompt_logprobs: request id -> (index of the first prompt token scored, entries), for requests that
@@ -217,7 +218,7 @@ class EngineCore:
             self._publish_waiting()
             return out
         self.num_consecutive_failed_steps = 0
-        out.new_token = self.scheduler.update_from_output(sched, result.sampled)
+        out.new_token = self.scheduler.update_from_output(sched, result.sampled, result.verified)
         out.logprobs = result.logprobs
         out.prompt_logprobs = result.prompt_logprobs
         for request in out.new_token:
@@ -244,15 +245,16 @@ class EngineCore:
             self._num_waiting = len(self.scheduler.waiting)
             self._num_waiting_tokens = self.scheduler.num_waiting_tokens
 
-    def finish_on_stop_strings(self, requests: list[Request]) -> None:
-        """Ends the requests whose text reached a stop string (stepping thread).
+    def finish_on_stop_strings(self, requests: list[tuple[Request, int | None]]) -> None:
+        """Ends the requests whose text reached a stop string (stepping thread): (request, the output token the
+        stop string ends in when it is not the last, else None; the tokens after it are dropped).
 
         The output processor finds stop strings in the text it detokenized this step and reports the
         requests; the core applies them here, on the stepping thread, before the step's deltas are built.
         Whether a match ends the request (and as ``stop`` or ``length``) is decided by
         :func:`backend.stopping.stop_status`, through ``Scheduler.finish_on_stop_string``."""
-        for request in requests:
-            self.scheduler.finish_on_stop_string(request)
+        for request, num_output_tokens in requests:
+            self.scheduler.finish_on_stop_string(request, num_output_tokens)
             if request.is_finished:
                 self._requests.pop(request.request_id, None)
 

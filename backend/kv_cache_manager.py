@@ -101,12 +101,14 @@ class KVCacheManager:
         return hits
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Registers the request's blocks that ``num_tokens`` tokens fill, so later requests can reuse them."""
+        """Registers the request's blocks that ``num_tokens`` tokens fill, so later requests can reuse them.
+        Only the request's own tokens count: slots past them (a speculative decode's drafts) never make a
+        block findable, so no block is hashed while it holds a draft that may be rejected."""
         if not self._caches(request):
             return
         table = self.block_tables[request.request_id]
         done = self._num_cached_blocks.get(request.request_id, 0)
-        full = min(num_tokens // self.block_size, len(table))
+        full = min(min(num_tokens, request.num_tokens) // self.block_size, len(table))
         for i in range(done, full):
             if table[i] == NULL_BLOCK:  # a prefix-cache hit behind the window, left free
                 continue
@@ -192,6 +194,16 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id, ())
         return any(b != NULL_BLOCK and self.pool.ref_counts[b] > 1
                    for b in table[request.num_computed_tokens // self.block_size:])
+
+    def free_surplus_blocks(self, request: Request) -> None:
+        """Returns the blocks of the table past ``request.num_computed_tokens`` to the pool: a speculative decode
+        allocated them for drafts that were rejected. They hold no registered content (drafts are never hashed)."""
+        table = self.block_tables.get(request.request_id)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if table and len(table) > keep:
+            surplus = table[keep:]
+            del table[keep:]
+            self.pool.free(surplus[::-1])
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """Returns all of the request's blocks to the pool (a no-op when it holds none).

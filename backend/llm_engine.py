@@ -395,7 +395,10 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs, num_preemptions=sched.num_preemptions,
             prompt_tokens=out.prompt_tokens, generation_tokens=out.generation_tokens, num_steps=self._num_steps,
             finished=dict(out.finished), last_step_num_scheduled=scheduled, last_step_num_prefills=prefills,
-            last_step_num_tokens=tokens, num_computed_tokens=sched.num_computed_tokens, time=time.perf_counter())
+            last_step_num_tokens=tokens, num_computed_tokens=sched.num_computed_tokens,
+            spec_decode_num_drafts=sched.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=sched.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=sched.spec_decode_num_accepted_tokens, time=time.perf_counter())
 
     # -- helpers ------------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | bytes | list[int]) -> list[int]:

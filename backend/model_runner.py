@@ -3,7 +3,9 @@
 Owns the model and the KV cache tensors; knows nothing about queues or block allocation. It reads only the
 :class:`~backend.scheduler_output.SchedulerOutput` (each request's chunk and block table), builds the slot
 mapping and the attention backend's metadata, and returns the sampled token of every request
-that reached its last token.
+that reached its last token. A speculative decode (a request with draft tokens) is computed like a prefill chunk
+of its last token and its drafts; every one of those rows is sampled, and the drafts are verified against them
+(:func:`backend.sampler.accept_greedy`).
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ from backend.attention import ATTENTION_NAME, AttentionBackend, StepBatch, Torch
 from backend.cpu_threads import ThreadBinder
 from backend.cuda_graphs import DecodeGraphs
 from backend.models import build_decoder
-from backend.sampler import Sampler, TokenLogprobs
-from backend.scheduler_output import SchedulerOutput
+from backend.sampler import Sampler, TokenLogprobs, accept_greedy
+from backend.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
 class ModelRunnerOutput:
     """Per request id: the sampled token, and its logprobs when asked for; for requests that asked for prompt
-    logprobs and computed prompt positions this step, (index of the first prompt token scored, its entries)."""
+    logprobs and computed prompt positions this step, (index of the first prompt token scored, its entries);
+    for speculative decodes (``verified``), the accepted drafts followed by the model's next token."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -130,10 +134,15 @@ class ModelRunner:
             logits = self.decode_graphs.run(torch.tensor(token_ids), positions, slot_mapping, seq_lens, block_tables)
             return self._sample(requests, logits=logits[sample_rows])
         meta = self.attn_builder.build(StepBatch(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping))
-        logits_rows = cu_seqlens[1:][sample_rows] - 1
-        if prompt_rows:  # after the sampling rows: hidden[:len(sample_rows)] samples, the rest scores prompts
+        verifying = None
+        if sched.num_draft_tokens:  # a speculative decode samples its last token's row and each draft's
+            verifying = [scheduled[i] for i in sample_rows]
+            requests, logits_rows = _verification_rows(verifying, cu_seqlens[1:][sample_rows].tolist())
+        else:
+            logits_rows = cu_seqlens[1:][sample_rows] - 1
+        if prompt_rows:  # after the sampling rows: hidden[:num_sample] samples, the rest scores prompts
             logits_rows = torch.cat([logits_rows, torch.tensor([r for p in prompt_rows for r in p.rows])])
-        num_sample = len(sample_rows)
+        num_sample = len(requests)  # rows that sample (with drafts: one per draft too)
         prompt_out = {}
         input_ids = torch.tensor(token_ids, device=self.device)
         positions, logits_rows = positions.to(self.device), logits_rows.to(self.device)
@@ -141,20 +150,62 @@ class ModelRunner:
             hidden = self.decoder.final_hidden(input_ids, positions, meta, logits_rows)
             if prompt_rows:
                 prompt_out = prompt_logprobs.compute(hidden[num_sample:], self.decoder.lm_head, prompt_rows)
-            return self._sample(requests, hidden=hidden[:num_sample], prompt_out=prompt_out)
+            return self._sample(requests, hidden=hidden[:num_sample], prompt_out=prompt_out, verifying=verifying)
         logits = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                             logits_to_keep=logits_rows, attention_metadata=meta).logits[0]
         if prompt_rows:
             prompt_out = prompt_logprobs.compute(logits[num_sample:], lambda x: x, prompt_rows)
-        return self._sample(requests, logits=logits[:num_sample], prompt_out=prompt_out)
+        return self._sample(requests, logits=logits[:num_sample], prompt_out=prompt_out, verifying=verifying)
 
     def _sample(self, requests, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                prompt_out: dict | None = None) -> ModelRunnerOutput:
+                prompt_out: dict | None = None, verifying: list[ScheduledRequest] | None = None) -> ModelRunnerOutput:
         """``logits`` ``[len(requests), vocab_size]`` or the decoder's final ``hidden`` ``[len(requests),
-        hidden_size]``, row j for ``requests[j]``: the sampler turns either into tokens."""
+        hidden_size]``, row j for ``requests[j]``: the sampler turns either into tokens.
+
+        Args:
+            verifying: with drafts in the step, the scheduled requests that sample, in order; ``requests`` then
+                repeats each once per row it samples (1 + its drafts).
+        """
         if not requests:
             return ModelRunnerOutput({}, {}, prompt_out or {})
         out = self.sampler(logits, requests) if hidden is None else self.sampler.from_hidden(hidden, requests)
+        if verifying is not None:
+            return _verify(verifying, out.token_ids, out.logprobs, prompt_out or {})
         sampled = {r.request_id: t for r, t in zip(requests, out.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs, prompt_out or {})
+
+
+def _verification_rows(verifying: list[ScheduledRequest], row_ends: list[int]) -> tuple[list, torch.Tensor]:
+    """The rows a step with drafts samples: the last row of each sampling chunk, and for a speculative decode
+    its last ``1 + drafts`` rows (its last token's and each draft's); and the request of each row.
+
+    Args:
+        row_ends: packed row after each of ``verifying``'s chunks.
+
+    Returns:
+        (the request of each sampled row, the rows ``[num_rows]``).
+    """
+    requests, rows = [], []
+    for s, end in zip(verifying, row_ends):
+        n = 1 + len(s.draft_token_ids)
+        requests += [s.request] * n
+        rows.extend(range(end - n, end))
+    return requests, torch.tensor(rows)
+
+
+def _verify(verifying: list[ScheduledRequest], token_ids: list[int], logprobs: list, prompt_out: dict,
+            ) -> ModelRunnerOutput:
+    """Groups the sampled rows back by request: a plain request's token, a speculative decode's verified run."""
+    sampled, verified, token_logprobs = {}, {}, {}
+    row = 0
+    for s in verifying:
+        request_id, drafts = s.request_id, s.draft_token_ids
+        if drafts:
+            verified[request_id] = accept_greedy(drafts, token_ids[row:row + 1 + len(drafts)])
+        else:
+            sampled[request_id] = token_ids[row]
+            if logprobs[row] is not None:
+                token_logprobs[request_id] = logprobs[row]
+        row += 1 + len(drafts)
+    return ModelRunnerOutput(sampled, token_logprobs, prompt_out, verified)

@@ -31,6 +31,8 @@ class RequestState:
     parent: ParentRequest
     held: RequestOutput | None = None  # deltas not sent yet (stream_interval), merged
     sent_tokens: int = 0
+    num_detokenized: int = 0  # output tokens added to the detokenizer
+    num_emitted: int = 0  # output tokens put in deltas (held ones included)
     # Prompt logprobs gathered chunk by chunk (entry 0, the first prompt token, is None); sent on the first delta.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
@@ -89,18 +91,35 @@ class OutputProcessor:
         with self._lock:
             return bool(self._parents)
 
-    def detokenize(self, requests: list[Request]) -> list[Request]:
-        """Adds each request's new last token to its text.
+    def detokenize(self, requests: list[Request]) -> list[tuple[Request, int | None]]:
+        """Adds each request's new tokens to its text, one by one (a speculative decode appends several),
+        stopping at the first that completes a stop string.
 
         Returns:
-            The requests whose text now ends in a stop string (outside ``min_tokens``).
+            (request, where its stop string ends) for the requests whose text now ends in a stop string (outside
+            ``min_tokens``): None when in the last token, else the number of output tokens up to and including
+            the one it ends in (the engine drops the rest: no token past a stop is emitted).
         """
         stopped = []
         for request in requests:
-            detokenizer = self._states[request.request_id].detokenizer
-            detokenizer.add_token(request.token_ids[-1], check_stop=stop_strings_active(request))
-            if detokenizer.stopped:
-                stopped.append(request)
+            state = self._states[request.request_id]
+            detokenizer = state.detokenizer
+            num_new = request.num_output_tokens - state.num_detokenized
+            state.num_detokenized = request.num_output_tokens
+            if num_new == 1:
+                detokenizer.add_token(request.token_ids[-1], check_stop=stop_strings_active(request))
+                if detokenizer.stopped:
+                    stopped.append((request, None))
+                continue
+            min_tokens = request.params.min_tokens
+            for i, token_id in enumerate(request.token_ids[-num_new:]):
+                num_output_tokens = request.num_output_tokens - num_new + i + 1
+                detokenizer.add_token(token_id, check_stop=num_output_tokens > min_tokens)  # stop_strings_active
+                if detokenizer.stopped:
+                    last = num_output_tokens == request.num_output_tokens
+                    stopped.append((request, None if last else num_output_tokens))
+                    state.num_detokenized = num_output_tokens
+                    break
         return stopped
 
     def make_outputs(self, with_token: list[Request], without_token: list[Request],
@@ -125,21 +144,24 @@ class OutputProcessor:
                 gathered.extend(entries[len(gathered) - first:])
         outputs = []
         for request in with_token:
-            if request.num_output_tokens == 1 and request.index == 0:
+            state = self._states[request.request_id]
+            num_new = request.num_output_tokens - state.num_emitted  # 1, or more after a speculative decode
+            if state.num_emitted == 0 and request.index == 0:
                 self.prompt_tokens += request.num_prompt_tokens
-            self.generation_tokens += 1
+            state.num_emitted = request.num_output_tokens
+            self.generation_tokens += num_new
             token_logprobs = logprobs.get(request.request_id)
-            outputs += self._emit(request, [request.token_ids[-1]],
-                                  None if token_logprobs is None else [token_logprobs])
+            outputs += self._emit(request, request.token_ids[-num_new:],
+                                  None if token_logprobs is None else [token_logprobs], state)
         for request in without_token:
             outputs += self._emit(request, [], None)
         return outputs
 
-    def _emit(self, request: Request, token_ids: list[int],
-              logprobs: list[TokenLogprobs] | None) -> list[tuple[queue.Queue, RequestOutput]]:
+    def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+              state: RequestState | None = None) -> list[tuple[queue.Queue, RequestOutput]]:
         """This step's delta of ``request`` (none while ``stream_interval`` holds it back; two when an error
-        follows held-back tokens)."""
-        state = self._states[request.request_id]
+        follows held-back tokens); ``state``: its :class:`RequestState` when the caller has it at hand."""
+        state = state or self._states[request.request_id]
         parent = state.parent
         finished = request.is_finished
         out = RequestOutput(parent.request_id, token_ids, state.detokenizer.delta(final=finished),

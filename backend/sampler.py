@@ -214,6 +214,28 @@ def _logprobs(row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     return TokenLogprobs(token_id, logprob.item(), top, int((row > logprob).sum()) + 1)
 
 
+def accept_greedy(draft_token_ids, target_token_ids: list[int]) -> list[int]:
+    """Verifies a speculative decode's drafts under greedy decoding (Leviathan et al., ICML 2023, "Fast Inference
+    from Transformers via Speculative Decoding", sec. 2.3, with temperature 0: a draft is accepted exactly when
+    it is the target's argmax).
+
+    Args:
+        draft_token_ids: the k drafts.
+        target_token_ids: ``[k + 1]``, the argmax after the request's last token and after each draft.
+
+    Returns:
+        The accepted drafts (the longest prefix equal to the targets before them) and then the target after the
+        last accepted one (the bonus token when all are accepted): 1 to k + 1 tokens, exactly what k + 1 plain
+        greedy steps would give up to the first mismatch.
+    """
+    accepted = 0
+    for draft, target in zip(draft_token_ids, target_token_ids):
+        if draft != target:
+            break
+        accepted += 1
+    return list(target_token_ids[:accepted + 1])
+
+
 def plain_greedy(request: Request) -> bool:
     """Greedy with nothing that changes the logits first and no logprobs wanted."""
     params = request.params

@@ -12,6 +12,14 @@ Priorities follow vLLM's priority policy: a lower ``Request.priority`` waits ahe
 come, first served among equals), and preemption takes the running request with the highest value (the
 newest among equals). A waiting request of a lower value than a running one preempts it when there is no
 room for both. With every priority equal this is plain FCFS.
+
+Speculative decoding (``num_speculative_tokens`` k > 0): a running request one token behind that
+:func:`~backend.ngram_proposer.can_speculate` allows gets up to k draft tokens from the n-gram proposer, and
+computes its last token and the drafts in one step (1 + drafts tokens of the budget and of KV slots; no room for
+the drafts: a plain decode). ``update_from_output`` appends the verified tokens one by one through the stopping
+rule, advances ``num_computed_tokens`` past the last token and the accepted drafts only (the rejected drafts'
+slots are written again later), and frees the blocks that only rejected drafts had needed. Drafts are never
+hashed into the prefix cache: the KV cache manager registers only blocks full of the request's own tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections import deque
 
 from backend.config import EngineConfig
 from backend.kv_cache_manager import KVCacheManager
+from backend.ngram_proposer import NgramProposer, can_speculate
 from backend.request import Request, RequestStatus
 from backend.scheduler_output import ScheduledRequest, SchedulerOutput
 from backend.stats import SchedulerStats
@@ -40,6 +49,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_waiting_tokens = 0  # tokens of the waiting requests (all to be computed when admitted)
+        self.proposer = None  # drafts for speculative decoding; None: off
+        if config.num_speculative_tokens:
+            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                          config.prompt_lookup_max)
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts, by request id
+        self.num_spec_drafts = 0  # speculative decodes verified since start (vLLM's spec_decode_num_drafts)
+        self.num_spec_draft_tokens = 0  # draft tokens verified since start
+        self.num_spec_accepted_tokens = 0  # of which accepted
 
     # -- admission ---------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -85,11 +102,21 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = False
+        if self._drafts:
+            self._drafts = {}
 
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
+                drafts = self._propose(request, token_budget)
+                if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+                    self._drafts[request.request_id] = drafts
+                    scheduled.append((request, 1 + len(drafts)))
+                    token_budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(request, num_new):
                 victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
                 victim = self.running.pop(victim_index)
@@ -133,9 +160,24 @@ class Scheduler:
             token_budget -= num_new
 
         scheduled.sort(key=lambda item: item[1] != 1)  # decodes first; stable within each group
+        if self._drafts:
+            drafts = self._drafts
+            return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
+                                                     self.kv.get_block_ids(request.request_id),
+                                                     drafts.get(request.request_id, ()))
+                                    for request, n in scheduled], sum(len(d) for d in drafts.values()))
         return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
                                                  self.kv.get_block_ids(request.request_id))
                                 for request, n in scheduled])
+
+    def _propose(self, request: Request, token_budget: int) -> list[int]:
+        """Drafts for a running request one token behind: none unless it may speculate; at most what the
+        token budget leaves beside its last token, and fewer than the output tokens it may still produce (the
+        step always adds one token of the model's own besides the accepted drafts)."""
+        if not can_speculate(request):
+            return []
+        room = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request.token_ids, room) if room > 0 else []
 
     def _preempt_for(self, request: Request, scheduled: list[tuple[Request, int]]) -> bool:
         """Makes room for the waiting ``request`` by preempting the running request with the highest priority
@@ -155,6 +197,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._drafts.pop(request.request_id, None)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -163,22 +206,29 @@ class Scheduler:
         self._enqueue(request, front=True)
 
     # -- after the forward pass --------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           verified: dict[str, list[int]] | None = None) -> list[Request]:
         """Advances ``num_computed_tokens``, appends sampled tokens (advancing the grammar of a request
         with structured outputs) and finishes requests that hit EOS, a stop token id, the end of their
         grammar or max_tokens (:func:`backend.stopping.stop_status`).
 
         Args:
             sampled: request id -> the token sampled for it (only requests that reached their last token).
+            verified: request id -> a speculative decode's tokens: its accepted drafts, then the model's token
+                after them (1 to 1 + drafts tokens); for every scheduled request with drafts.
 
         Returns:
-            The requests that got a new token this step (finished ones included, blocks already freed).
+            The requests that got one or more new tokens this step (finished ones included, blocks already freed).
         """
         now = time.monotonic()
         updated = []
         for s in out.scheduled:
             request = s.request
             if request.is_finished:  # ended by a shutdown on another thread while the step ran
+                continue
+            if s.draft_token_ids:
+                self._apply_verified(request, len(s.draft_token_ids), verified[request.request_id], now)
+                updated.append(request)
                 continue
             request.num_computed_tokens += s.num_scheduled_tokens
             token_id = sampled.get(request.request_id)
@@ -195,11 +245,41 @@ class Scheduler:
                 self.finish_request(request, reason)
         return updated
 
-    def finish_on_stop_string(self, request: Request) -> None:
+    def _apply_verified(self, request: Request, num_drafts: int, tokens: list[int], now: float) -> None:
+        """A speculative decode's result: ``tokens`` (accepted drafts + the model's next token) appended one by
+        one through the stopping rule, none after the one that ends the request. The last token and the
+        accepted drafts now have their K/V; the rejected drafts' slots are past ``num_computed_tokens`` and are
+        written again later, and the blocks only they needed go back to the pool."""
+        num_accepted = len(tokens) - 1
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_drafts
+        self.num_spec_accepted_tokens += num_accepted
+        computed = request.num_computed_tokens + 1 + num_accepted
+        reason = None
+        for token_id in tokens:
+            request.append_token(token_id, now)
+            reason = stop_status(request, token_id)
+            if reason is not None:
+                break
+        request.num_computed_tokens = min(computed, request.num_tokens - 1)
+        if reason is not None:
+            self.finish_request(request, reason)
+        else:
+            self.kv.free_surplus_blocks(request)
+
+    def finish_on_stop_string(self, request: Request, num_output_tokens: int | None = None) -> None:
         """The detokenizer found a stop string ending in the request's last token (after
         ``update_from_output``, which cannot see text): finish the request, or, when that same token also
         reached max_tokens and finished it as ``length``, relabel it ``stop`` (its blocks are already free).
-        The decision is :func:`~backend.stopping.stop_status`'s, as for EOS and stop token ids."""
+        The decision is :func:`~backend.stopping.stop_status`'s, as for EOS and stop token ids.
+
+        Args:
+            num_output_tokens: the stop string ends in this output token, before the last one (a speculative
+                decode appended several): the tokens after it are dropped first. None: the last token.
+        """
+        if num_output_tokens is not None and num_output_tokens < request.num_output_tokens:
+            del request.token_ids[request.num_prompt_tokens + num_output_tokens:]
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         status = stop_status(request, request.token_ids[-1], stop_string_matched=True)
         if status is None:
             return
@@ -234,7 +314,9 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               num_preemptions=self.num_preemptions,
                               num_computed_tokens=sum(r.num_computed_tokens for r in self.running),
-                              kv=self.kv.usage())
+                              kv=self.kv.usage(), spec_decode_num_drafts=self.num_spec_drafts,
+                              spec_decode_num_draft_tokens=self.num_spec_draft_tokens,
+                              spec_decode_num_accepted_tokens=self.num_spec_accepted_tokens)
 
 
 def _priority(request: Request) -> int:

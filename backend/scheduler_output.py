@@ -21,15 +21,18 @@ class ScheduledRequest:
     Attributes:
         request: its tokens, sampling parameters and generator (the runner and sampler read them only).
         num_computed_tokens: tokens whose K/V are already cached; this step's chunk starts here.
-        num_scheduled_tokens: tokens computed this step (1 for a decode).
+        num_scheduled_tokens: tokens computed this step (1 for a decode; 1 + the drafts for a speculative one).
         block_ids: the request's block table after this step's allocation, in token order; covers
             ``num_computed_tokens + num_scheduled_tokens`` tokens.
+        draft_token_ids: a speculative decode's draft tokens (:mod:`backend.ngram_proposer`), computed after the
+            request's last token; empty otherwise. They are not the request's tokens until verified.
     """
 
     request: Request
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_ids: list[int]
+    draft_token_ids: list[int] | tuple[()] = ()
 
     @property
     def request_id(self) -> str:
@@ -42,21 +45,26 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens computed this step."""
+        """The tokens computed this step (a speculative decode's drafts last)."""
+        if self.draft_token_ids:
+            return self.request.token_ids[self.num_computed_tokens:] + list(self.draft_token_ids)
         return self.request.token_ids[self.num_computed_tokens:self.seq_len]
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's last token: its logits give the next token."""
-        return self.seq_len == self.request.num_tokens
+        """The chunk reaches the request's last token: its logits give the next token (with drafts: the
+        logits of the last token and of every draft verify them)."""
+        return self.seq_len - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    """What to compute this step: decodes (one token) first, then prefill chunks, so the model runner can
-    batch the decodes."""
+    """What to compute this step: decodes (one token) first, then prefill chunks and speculative decodes, so
+    the model runner can batch the decodes. ``num_draft_tokens``: drafts over all requests (0 without
+    speculation)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
     @property
     def requests(self) -> list[Request]:
@@ -72,7 +80,7 @@ class SchedulerOutput:
 
     @property
     def num_prefills(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_scheduled_tokens > 1)
+        return sum(1 for s in self.scheduled if s.num_scheduled_tokens - len(s.draft_token_ids) > 1)
 
     @property
     def is_empty(self) -> bool:

@@ -16,6 +16,8 @@ class SchedulerStats:
         num_preemptions: total since start.
         num_computed_tokens: tokens whose K/V are cached, summed over the running requests.
         kv: the pool's usage.
+        spec_decode_num_drafts / spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens: speculative
+            decodes verified, draft tokens in them, and drafts accepted, totals since start (vLLM's names).
     """
 
     num_running: int
@@ -23,6 +25,9 @@ class SchedulerStats:
     num_preemptions: int
     num_computed_tokens: int
     kv: KVCacheUsage
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -38,6 +43,10 @@ class EngineStats:
             first output token) and tokens generated.
         finished: finish reason -> requests (completions) finished.
         num_rejected: requests refused since start because the waiting queue was full.
+        spec_decode_num_drafts: speculative decodes (a request's step with draft tokens) since start.
+        spec_decode_num_draft_tokens: draft tokens proposed and verified since start.
+        spec_decode_num_accepted_tokens: of which accepted (each saved one step of that request); the
+            acceptance rate is this over ``spec_decode_num_draft_tokens``.
         time: ``time.perf_counter()`` when the snapshot was taken, in seconds.
     """
 
@@ -55,4 +64,7 @@ class EngineStats:
     last_step_num_tokens: int = 0
     num_computed_tokens: int = 0
     num_rejected: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     time: float = 0.0

@@ -18,6 +18,7 @@ and bad words are ignored. For benchmarks only: the text it produces means nothi
 from __future__ import annotations
 
 from backend.model_runner import ModelRunnerOutput
+from backend.sampler import accept_greedy
 from backend.scheduler_output import SchedulerOutput
 
 FIRST_TOKEN = 1000  # ordinary word pieces in common vocabularies (specials sit at the start or the end)
@@ -56,10 +57,14 @@ class ZeroCostModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """The next token of each request that samples this step; no logprobs."""
-        sampled = {}
+        sampled, verified = {}, {}
         for s in sched.scheduled:
             request = s.request
-            if s.num_computed_tokens + s.num_scheduled_tokens == request.num_tokens:  # ScheduledRequest.samples
+            if s.draft_token_ids:  # a speculative decode: the drafts that equal the cycle, then the cycle's next
+                targets = [zero_cost_token(request.num_tokens + j, self.vocab_size, request.eos_token_ids)
+                           for j in range(len(s.draft_token_ids) + 1)]
+                verified[request.request_id] = accept_greedy(s.draft_token_ids, targets)
+            elif s.num_computed_tokens + s.num_scheduled_tokens == request.num_tokens:  # ScheduledRequest.samples
                 sampled[request.request_id] = zero_cost_token(request.num_tokens, self.vocab_size,
                                                               request.eos_token_ids)
-        return ModelRunnerOutput(sampled, {})
+        return ModelRunnerOutput(sampled, {}, verified=verified)

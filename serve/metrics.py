@@ -6,7 +6,9 @@ backend, which Triton's ORCA load report and the Kubernetes Gateway API Inferenc
 read (engine type ``triton-tensorrt-llm``: the model-server protocol, gateway-api-inference-extension
 ``docs/proposals/003-model-server-protocol``). With the model setting ``vllm_metrics`` true (the default), the protocol's
 vLLM names are published too (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well.
+``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well,
+and vLLM's speculative decoding counters (``vllm:spec_decode_num_drafts_total``,
+``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total``).
 """
 
 from __future__ import annotations
@@ -147,6 +149,14 @@ class EngineMetrics:
                                                family.GAUGE)
             self._cache_config = None  # set once the pool's size is known (the first update)
             self._vllm_labels = vllm_labels
+            # Speculative decoding (vLLM's counters; prometheus_client, which vLLM uses, adds "_total"):
+            # decodes with drafts, draft tokens verified, and draft tokens accepted.
+            self.vllm_spec = {field: _Written(family(f"vllm:{field}_total", description, family.COUNTER)
+                                              .Metric(labels=vllm_labels))
+                              for field, description in (
+                                  ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                                  ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                                  ("spec_decode_num_accepted_tokens", "Number of accepted tokens."))}
         # Where the serving path's time goes (benchmarks.serving_path reads them): engine steps, responses
         # sent, and the CPU time of the engine loop and of each adapter thread.
         self.steps = counter("llm_engine_steps_total", "Engine steps that computed something")
@@ -208,6 +218,8 @@ class EngineMetrics:
             self.vllm["vllm:num_requests_waiting"].set(stats.num_waiting)
             self.vllm["vllm:num_requests_running"].set(stats.num_running)
             self.vllm["vllm:kv_cache_usage_perc"].set(kv.usage)
+            for field, metric in self.vllm_spec.items():
+                metric.increment(getattr(stats, field) - (getattr(last, field) if last else 0))
             if self._cache_config is None:  # vLLM's info gauge: the configuration in labels, value 1
                 self._cache_config = self._cache_config_family.Metric(labels={
                     **self._vllm_labels, "block_size": str(kv.tokens_per_block), "num_gpu_blocks": str(kv.num_blocks)})

@@ -43,14 +43,14 @@ def tokenizer(default_model_dir):
 
 def build_tiny_model(directory, family: str, tokenizer, **overrides) -> str:
     """A random-weight model of ``family`` with the default model's tokenizer, saved to ``directory``
-    (``overrides``: config fields replacing :data:`TINY_FAMILIES`')."""
+    (``overrides``: config fields replacing :data:`TINY_FAMILIES`' and the initializer range of 0.2)."""
     from transformers import AutoConfig
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(family, vocab_size=len(tokenizer), max_position_embeddings=1024,
-                                  initializer_range=0.2, tie_word_embeddings=False,
+                                  tie_word_embeddings=False,
                                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                                  **{**TINY_FAMILIES[family], **overrides})
+                                  **{"initializer_range": 0.2, **TINY_FAMILIES[family], **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

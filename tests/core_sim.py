@@ -11,7 +11,13 @@ the last ``sliding_window`` ones) and checks each holds the value of the reading
 prefix-cache hit on the wrong block, a block reused while another request still reads it, or a block table
 that misses a position all fail at the step they happen. The token it samples is a deterministic function of
 the request (:func:`fake_token`), so every completion's output is known in advance
-(:func:`expected_output`) whatever the batching, chunking and preemption.
+(:func:`expected_output`) whatever the batching, chunking, preemption and speculation.
+
+Speculative decoding: with ``num_speculative_tokens`` k the scheduler's proposer is :class:`FakeProposer`, which
+proposes k drafts of which a varying number are right (the fake model's own continuation), the rest wrong. The
+runner writes the drafts' K/V like any token's (a value chained from the drafts) and verifies them as the real
+sampler does (``accept_greedy``), so rejected drafts leave stale values in the cache that later steps must
+overwrite before reading, and a block registered in the prefix cache while holding one would be caught.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from backend.config import EngineConfig
 from backend.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from backend.parallel_sampling import ParentRequest
 from backend.request import Request, RequestStatus
+from backend.sampler import accept_greedy
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
 from backend.scheduler_output import SchedulerOutput
@@ -36,7 +43,44 @@ EOS = 0  # about one fake token in 64 is EOS, so some completions stop early
 def fake_token(request: Request) -> int:
     """The token sampled after the request's current tokens: a function of its last token, its length and its
     completion index (so the ``n`` completions of one prompt diverge)."""
-    return (request.token_ids[-1] * 31 + request.num_tokens * 7 + request.index * 13 + 5) % VOCAB
+    return fake_next(request.token_ids[-1], request.num_tokens, request.index)
+
+
+def fake_next(last_token: int, num_tokens: int, index: int) -> int:
+    """:func:`fake_token` after a sequence of ``num_tokens`` tokens ending in ``last_token``."""
+    return (last_token * 31 + num_tokens * 7 + index * 13 + 5) % VOCAB
+
+
+def fake_targets(request: Request, drafts) -> list[int]:
+    """What the fake model samples after the request's tokens and after each draft (``len(drafts) + 1``)."""
+    targets, last = [], request.token_ids[-1]
+    for j in range(len(drafts) + 1):
+        targets.append(fake_next(last, request.num_tokens + j, request.index))
+        if j < len(drafts):
+            last = drafts[j]
+    return targets
+
+
+class FakeProposer:
+    """Stands in for the n-gram proposer: of the ``k`` drafts for a request, the first ``m`` are what the fake
+    model will sample (``m`` cycles through 0..k from call to call, so runs of every length are accepted), the
+    rest are wrong."""
+
+    def __init__(self, k: int, requests: dict[str, Request]) -> None:
+        self.k = k
+        self.requests = requests  # to find the request whose tokens are proposed for (fake_next needs its index)
+        self.num_calls = 0
+
+    def propose(self, token_ids: list[int], max_drafts: int | None = None) -> list[int]:
+        request = next(r for r in self.requests.values() if r.token_ids is token_ids)
+        limit = self.k if max_drafts is None else min(self.k, max_drafts)
+        right = self.num_calls % (self.k + 1)
+        self.num_calls += 1
+        drafts: list[int] = []
+        for j in range(limit):
+            token = fake_targets(request, drafts)[-1]
+            drafts.append(token if j < right else (token + 1) % VOCAB)
+        return drafts
 
 
 def expected_output(prompt: list[int], max_tokens: int, index: int = 0) -> tuple[list[int], RequestStatus]:
@@ -80,15 +124,25 @@ class FakeRunner:
         self._values: dict[str, list[int]] = {}  # request id -> value of each position (memo; tokens only grow)
         self.num_tokens_computed = 0
 
-    def value(self, request: Request, position: int) -> int:
-        """Stands for the K/V of ``position``: a hash of the tokens up to and including it."""
+    def value(self, request: Request, position: int, drafts=()) -> int:
+        """Stands for the K/V of ``position``: a hash of the tokens up to and including it (``drafts``: the
+        tokens that follow the request's own in this step, for positions past them)."""
+        if position >= request.num_tokens:  # a draft: chained from the request's last token, never memoized
+            value = self.value(request, request.num_tokens - 1)
+            for token in drafts[:position - request.num_tokens + 1]:
+                value = hash((value, token))
+            return value
         values = self._values.setdefault(request.request_id, [])
         while len(values) <= position:
             values.append(hash((values[-1] if values else -1, request.token_ids[len(values)])))
         return values[position]
 
-    def execute(self, sched: SchedulerOutput, holders: dict[int, list[tuple[Request, int]]]) -> dict[str, int]:
-        """``holders``: block id -> (request, index in its block table) for every table holding it."""
+    def execute(self, sched: SchedulerOutput, holders: dict[int, list[tuple[Request, int]]],
+                ) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """``holders``: block id -> (request, index in its block table) for every table holding it.
+
+        Returns:
+            (request id -> sampled token, request id -> a speculative decode's verified tokens)."""
         bs = self.block_size
         writes: dict[int, int] = {}
         for s in sched.scheduled:
@@ -96,7 +150,7 @@ class FakeRunner:
             for p in range(s.num_computed_tokens, s.seq_len):
                 block = s.block_ids[p // bs]
                 assert block != NULL_BLOCK, f"{request.request_id} computes position {p} into a null block"
-                value = self.value(request, p)
+                value = self.value(request, p, s.draft_token_ids)
                 slot = block * bs + p % bs
                 assert writes.setdefault(slot, value) == value, f"two different writes to slot {slot} in one step"
                 for other, j in holders[block]:
@@ -108,7 +162,7 @@ class FakeRunner:
             self.num_tokens_computed += s.num_scheduled_tokens
         for slot, value in writes.items():
             self.slots[slot] = value
-        sampled = {}
+        sampled, verified = {}, {}
         for s in sched.scheduled:
             request = s.request
             first = s.num_computed_tokens  # the chunk's first query attends from first - W + 1 on
@@ -116,11 +170,14 @@ class FakeRunner:
             for p in range(low, s.seq_len):
                 block = s.block_ids[p // bs]
                 assert block != NULL_BLOCK, f"{request.request_id} attends to position {p} in a null block"
-                assert self.slots[block * bs + p % bs] == self.value(request, p), (
+                assert self.slots[block * bs + p % bs] == self.value(request, p, s.draft_token_ids), (
                     f"{request.request_id} reads wrong K/V at position {p} (block {block})")
-            if s.samples:
+            if s.draft_token_ids:
+                verified[request.request_id] = accept_greedy(s.draft_token_ids,
+                                                             fake_targets(request, s.draft_token_ids))
+            elif s.samples:
                 sampled[request.request_id] = fake_token(request)
-        return sampled
+        return sampled, verified
 
 
 class CoreSim:
@@ -128,15 +185,19 @@ class CoreSim:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, max_model_len: int = 4096) -> None:
+                 sliding_window: int | None = None, max_model_len: int = 4096,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   num_speculative_tokens=num_speculative_tokens)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.config, self.kv, max_model_len)
-        self.runner = FakeRunner(num_blocks, block_size, sliding_window)
         self.requests: dict[str, Request] = {}  # every request ever added, by id
+        if num_speculative_tokens:
+            self.scheduler.proposer = FakeProposer(num_speculative_tokens, self.requests)
+        self.runner = FakeRunner(num_blocks, block_size, sliding_window)
         self.num_steps = 0
 
     # -- driving -------------------------------------------------------------------------------------
@@ -148,9 +209,12 @@ class CoreSim:
         return request
 
     def add_prompt(self, request_id: str, prompt: list[int], max_tokens: int, *, n: int = 1, priority: int = 0,
-                   prompt_logprobs: int | None = None, cache_salt: str | None = None) -> list[Request]:
-        """A caller's request: ``n`` completions (``ParentRequest.make_requests``), or one with ``cache_salt``."""
-        params = SamplingParams(n=n, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs: int | None = None, cache_salt: str | None = None,
+                   greedy: bool = False) -> list[Request]:
+        """A caller's request: ``n`` completions (``ParentRequest.make_requests``), or one with ``cache_salt``.
+        ``greedy``: temperature 0, so the request may speculate (the fake tokens are the same either way)."""
+        params = SamplingParams(n=n, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs,
+                                temperature=0.0 if greedy else 1.0)
         if cache_salt is not None:
             assert n == 1
             children = [Request(request_id, prompt, params, (EOS,), max_tokens, cache_salt=cache_salt,
@@ -170,8 +234,8 @@ class CoreSim:
         waiting_before = {r.request_id for r in self.scheduler.waiting}
         out = self.scheduler.schedule()
         self.check_schedule(out, waiting_before)
-        sampled = self.runner.execute(out, self._holders())
-        self.scheduler.update_from_output(out, sampled)
+        sampled, verified = self.runner.execute(out, self._holders())
+        self.scheduler.update_from_output(out, sampled, verified)
         self.num_steps += 1
         self.check()
         return out
@@ -216,10 +280,17 @@ class CoreSim:
         sizes = out.num_scheduled_tokens
         assert sizes == sorted(sizes, key=lambda n: n != 1), "decodes not first"
         running = {id(r) for r in sched.running}
+        assert out.num_draft_tokens == sum(len(s.draft_token_ids) for s in out.scheduled)
         for s in out.scheduled:
             request = s.request
             assert id(request) in running and request.status == RequestStatus.RUNNING
-            assert s.num_scheduled_tokens >= 1 and s.seq_len <= request.num_tokens
+            num_drafts = len(s.draft_token_ids)
+            assert s.num_scheduled_tokens >= 1 and s.seq_len - num_drafts <= request.num_tokens
+            if num_drafts:  # a decode with drafts: only for requests allowed to, never past max_tokens
+                assert request.params.greedy and s.num_computed_tokens == request.num_tokens - 1
+                assert s.num_scheduled_tokens == 1 + num_drafts
+                assert 0 < num_drafts <= self.config.num_speculative_tokens
+                assert request.num_output_tokens + num_drafts < request.max_tokens
             assert s.num_computed_tokens == request.num_computed_tokens
             assert len(s.block_ids) == cdiv(s.seq_len, bs), "block table does not match the step's tokens"
             assert s.block_ids == self.kv.get_block_ids(request.request_id)
@@ -275,6 +346,10 @@ class CoreSim:
             table = kv.block_tables[request.request_id]
             assert len(table) == cdiv(request.num_computed_tokens, bs), (
                 f"{request}: {len(table)} blocks for {request.num_computed_tokens} computed tokens")
+            for i, block in enumerate(table):  # a findable block holds the request's own tokens, never a draft
+                if block != NULL_BLOCK and block in pool._keys:
+                    assert pool._keys[block][1][1] == tuple(request.token_ids[i * bs:(i + 1) * bs]), (
+                        f"{request}: block {i} is registered with tokens that are not the request's")
             window = kv.sliding_window
             needed_from = 0 if window is None else max(0, request.num_computed_tokens - window + 1) // bs
             assert NULL_BLOCK not in table[needed_from:], f"{request} lost a block its next token attends to"

@@ -30,7 +30,7 @@ def request_specs(draw):
                 priority=draw(st.sampled_from([0, 0, 1, 2])),
                 prompt_logprobs=draw(st.sampled_from([None, None, None, 0, 2])),
                 cache_salt=draw(st.sampled_from([None, None, None, "a", "b"])) if n == 1 else None,
-                abort_after=draw(st.none() | st.integers(0, 12)))
+                abort_after=draw(st.none() | st.integers(0, 12)), greedy=draw(st.booleans()))
 
 
 @st.composite
@@ -41,7 +41,10 @@ def scenarios(draw):
     specs = draw(st.lists(request_specs(), min_size=1, max_size=7))
     sizing = KVCacheManager(1, block_size, sliding_window=window)
     needed = max(sizing.max_blocks_per_request(len(s["prompt"]) + s["max_tokens"], budget) for s in specs)
+    # Speculative decoding in half the scenarios (greedy requests only; drafts never past the budget).
+    speculative = min(draw(st.sampled_from([0, 0, 1, 2, 4])), budget - 1)
     return dict(block_size=block_size, sliding_window=window, max_num_batched_tokens=budget,
+                num_speculative_tokens=speculative,
                 max_num_seqs=draw(st.integers(1, 6)), enable_prefix_caching=draw(st.booleans()),
                 num_blocks=needed + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32])), specs=specs,
                 failing_step=draw(st.sampled_from([None, None, None, None, 0, 1, 3, 6])))
@@ -63,7 +66,7 @@ def run_scenario(scenario: dict) -> CoreSim:
             if spec["arrival"] == step:
                 children[k] = sim.add_prompt(f"r{k}", spec["prompt"], spec["max_tokens"], n=spec["n"],
                                              priority=spec["priority"], prompt_logprobs=spec["prompt_logprobs"],
-                                             cache_salt=spec["cache_salt"])
+                                             cache_salt=spec["cache_salt"], greedy=spec["greedy"])
                 sim.check()
             if spec["abort_after"] is not None and spec["arrival"] + spec["abort_after"] == step:
                 for child in children[k]:
@@ -90,6 +93,8 @@ def run_scenario(scenario: dict) -> CoreSim:
     event(f"sliding window: {scenario['sliding_window'] is not None}")
     event(f"aborted with output: {any(r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens for r in sim.requests.values())}")
     event(f"failed step: {any(r.status == RequestStatus.FINISHED_ERROR for r in sim.requests.values())}")
+    event(f"drafts accepted: {sim.scheduler.num_spec_accepted_tokens > 0}")
+    event(f"drafts rejected: {sim.scheduler.num_spec_accepted_tokens < sim.scheduler.num_spec_draft_tokens}")
     return sim
 
 
@@ -301,7 +306,7 @@ def test_finished_request_in_the_step_output_is_not_advanced_again():
     sim = CoreSim(num_blocks=16, block_size=4)
     request, = sim.add_prompt("a", tokens(0, 5), max_tokens=4)
     out = sim.scheduler.schedule()
-    sampled = sim.runner.execute(out, sim._holders())
+    sampled, _ = sim.runner.execute(out, sim._holders())
     sim.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
     assert sim.scheduler.update_from_output(out, sampled) == []
     assert request.num_output_tokens == 0 and request.num_computed_tokens == 0
@@ -353,3 +358,37 @@ def test_no_preemption_of_a_request_whose_unwritten_blocks_a_new_request_just_hi
     sim.run()
     for request, prompt in ((a, prefix), (b, prefix + [5, 6]), (c, tokens(40, 3))):
         assert (request.output_token_ids, request.status) == expected_output(prompt, 3)
+
+
+def test_speculative_decodes_give_solo_outputs_in_fewer_steps_and_free_what_rejected_drafts_held():
+    sim = CoreSim(num_blocks=64, block_size=2, num_speculative_tokens=4)
+    (request,) = sim.add_prompt("a", tokens(0, 6), max_tokens=40, greedy=True)
+    (plain,) = sim.add_prompt("b", tokens(3, 6), max_tokens=40)  # sampled: never speculates
+    sim.step()  # both prefills
+    rejected_some = False
+    while sim.scheduler.running:
+        before = request.num_computed_tokens
+        out = sim.step()
+        by_id = {s.request_id: s for s in out.scheduled}
+        assert not by_id.get("b") or not by_id["b"].draft_token_ids
+        s = by_id.get("a")
+        if s is not None and s.draft_token_ids and not request.is_finished:
+            accepted = request.num_computed_tokens - before - 1
+            rejected_some |= accepted < len(s.draft_token_ids)
+            # the table covers the computed tokens only: blocks that held just rejected drafts are back in the pool
+            assert len(sim.kv.block_tables["a"]) == -(-request.num_computed_tokens // 2)
+    sim.check_drained()
+    for r, prompt in ((request, tokens(0, 6)), (plain, tokens(3, 6))):
+        assert (r.output_token_ids, r.status) == expected_output(prompt, 40)
+    assert rejected_some and sim.scheduler.num_spec_accepted_tokens > 0
+    assert sim.num_steps < 1 + len(request.output_token_ids)  # accepted drafts saved steps
+
+
+def test_drafts_count_against_the_token_budget_and_never_reach_past_max_tokens():
+    sim = CoreSim(num_blocks=64, block_size=4, num_speculative_tokens=2, max_num_batched_tokens=3)
+    (request,) = sim.add_prompt("a", tokens(0, 3), max_tokens=5, greedy=True)
+    while sim.scheduler.running or sim.scheduler.waiting:
+        out = sim.step()  # check_schedule: budget, drafts < max_tokens left, drafts only on decodes
+        assert out.total_num_scheduled_tokens <= 3
+    assert (request.output_token_ids, request.status) == expected_output(tokens(0, 3), 5)
+    assert sim.scheduler.num_spec_drafts > 0

@@ -68,3 +68,18 @@ def test_only_changed_values_are_written():
         ("nv_trt_llm_request_metrics", "active", "set", 4),
         ("vllm:num_requests_running", None, "set", 4),  # vLLM's names, on by default
     }
+
+
+def test_speculative_decoding_counters_use_vllm_names_and_count_what_changed():
+    metrics = EngineMetrics(FakePbUtils, "llm", "1")
+    metrics.update(stats())
+    RecordingFamily.writes.clear()
+    metrics.update(stats(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=7))
+    metrics.update(stats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=16, spec_decode_num_accepted_tokens=7))
+    spec = [(w[0], w[1], w[3]) for w in RecordingFamily.writes if w[0].startswith("vllm:spec_decode")]
+    labels = {"model_name": "llm", "version": "1"}
+    assert spec == [("vllm:spec_decode_num_drafts_total", labels, 3),
+                    ("vllm:spec_decode_num_draft_tokens_total", labels, 12),
+                    ("vllm:spec_decode_num_accepted_tokens_total", labels, 7),
+                    ("vllm:spec_decode_num_drafts_total", labels, 1),
+                    ("vllm:spec_decode_num_draft_tokens_total", labels, 4)]
