@@ -100,6 +100,21 @@ def run(dtype: str, k: int, prompts: dict[str, list[int]], args) -> list[dict]:
         engine.shutdown()
 
 
+def page_markdown(report: dict) -> str:
+    """The report's rows as a table (``benchmarks.docs_page``)."""
+    fmt = lambda v, f: "n/a" if v is None else f.format(v)  # noqa: E731
+    lines = ["| dtype | prompt | k | ITL mean / p50 (ms) | tokens/s | acceptance | tokens equal to k = "
+             f"{min(r['k'] for r in report['runs'])} |", "|---|---|---:|---:|---:|---:|---|"]
+    for r in report["runs"]:
+        lines.append(f"| {r['dtype']} | {r['prompt']} | {r['k']} | {fmt(r['itl_mean_ms'], '{:.1f}')} / "
+                     f"{fmt(r['itl_p50_ms'], '{:.1f}')} | {fmt(r['tokens_per_s'], '{:.1f}')} | "
+                     f"{fmt(r['acceptance'], '{:.0%}')} | {'yes' if r['same_tokens_as_lowest_k'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+markdown = page_markdown
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated engine dtypes")
@@ -127,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = build_prompts(AutoTokenizer.from_pretrained(resolve_model_dir(None)))
     import torch
 
-    report = {"command": " ".join(["python -m benchmarks.speculative", *(sys.argv[1:] if argv is None else argv)]),
+    report = {"benchmark": "benchmarks.speculative",
+              "command": " ".join(["python -m benchmarks.speculative", *(sys.argv[1:] if argv is None else argv)]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": machine_info(args.threads or torch.get_num_threads()), "runs": []}
     for dtype in dtypes:
         reference: dict[str, list[int]] = {}
