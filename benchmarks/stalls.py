@@ -105,7 +105,8 @@ def _chunked_flood(url: str, body: bytes, timeout: float = 120) -> str:
         code = (error.get("code") if isinstance(error, dict) else error) or "ok"
     except (ValueError, AttributeError):
         pass
-    return f"{status.split(' ', 1)[-1]} {code}"
+    parts = status.split()
+    return f"{parts[1] if len(parts) > 1 else status} {code}"
 
 
 def _padded(body: dict, size: int) -> bytes:
@@ -184,6 +185,9 @@ def _cases() -> list[Case]:
              lambda o, t: _post(f"{o}/v1/completions/render", {"model": MODEL, "prompt": digits}), ("200 ok",)),
         Case("tokenize_330k_tokens", "330 kB of digits to /tokenize (330,000 token ids, within bounds)",
              lambda o, t: _post(f"{o}/tokenize", {"model": MODEL, "prompt": digits}), ("200 ok",)),
+        Case("completion_330k_tokens", "330 kB of digits to /v1/completions (tokenized by the engine, over max_model_len)",
+             lambda o, t: _post(f"{o}/v1/completions", {"model": MODEL, "prompt": digits, "max_tokens": 1}),
+             ("400 invalid_value", "400 invalid_request")),
         Case("schema_480_deep", "response_format schema of arrays nested 480 deep",
              lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(_nested_arrays(480))),
              ("400 invalid_value", "400 invalid_request")),
