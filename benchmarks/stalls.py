@@ -190,13 +190,10 @@ def _cases() -> list[Case]:
              ("400 invalid_value", "400 invalid_request")),
         Case("schema_480_deep", "response_format schema of arrays nested 480 deep",
              lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(_nested_arrays(480))),
-             ("400 invalid_value", "400 invalid_request")),
-        Case("schema_slow_compile", "response_format schema within bounds, ~3 s to compile (served)",
-             lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(slow_schema(int(time.time() * 1e6) % 7 + 60))),
+             ("400 invalid_request",)),
+        Case("schema_slow_compile", "response_format schema within bounds, ~1 s to compile (served)",
+             lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(slow_schema(24 + time.time_ns() % 7))),
              ("200 ok",)),
-        Case("schema_compile_timeout", "response_format schema within bounds, over the 10 s compile deadline",
-             lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(slow_schema(400 + int(time.time()) % 50))),
-             ("400 invalid_value",)),
         Case("prompts_2000", "/v1/completions with 2,000 prompts",
              lambda o, t: _post(f"{o}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 2000, "max_tokens": 1}),
              ("400 invalid_value",)),
@@ -205,13 +202,20 @@ def _cases() -> list[Case]:
              ("200 ok",), settle_s=1.0),
         Case("chunked_flood", "1,000,000 one-byte chunks to the frontend (a valid completion request)",
              lambda o, t: _chunked_flood(f"{o}/v1/completions", flood()), ("200 ok", "413 request_too_large")),
+        Case("schema_compile_timeout", "response_format schema within bounds, over the 10 s compile deadline",
+             lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(slow_schema(320 + time.time_ns() % 20))),
+             ("400 invalid_request",)),
         Case("chunked_flood_triton", "1,000,000 one-byte chunks to Triton's HTTP generate (loopback only)",
-             lambda o, t: _chunked_flood(f"{t}/v2/models/llm/generate", triton_flood()), ("200", "400", "connection")),
+             lambda o, t: _chunked_flood(f"{t}/v2/models/llm/generate", triton_flood()), ("200", "400")),
     ]
 
 
 def case_names() -> list[str]:
     return [c.name for c in _cases()]
+
+
+# chunked_flood_triton is left out unless asked for: tritonserver 2.51 dies of it (SIGSEGV), and with it the stack.
+DEFAULT_CASES = [name for name in case_names() if name != "chunked_flood_triton"]
 
 
 def _sender(conn, openai_url: str, triton_url: str) -> None:
@@ -334,7 +338,9 @@ def summarize(before: dict, during: dict) -> dict:
     out["stream_gap_before_max_ms"] = _ms(max(gaps_a)) if gaps_a else None
     out["stream_gap_max_ms"] = _ms(max(gaps_b)) if gaps_b else None
     out["stream_gap_added_ms"] = _ms(max(gaps_b) - max(gaps_a)) if gaps_a and gaps_b else None
-    out["failures"] = before["failures"] + during["failures"]
+    failures = before["failures"] + during["failures"]
+    out["failure_count"] = len(failures)
+    out["failures"] = failures[:5]  # the first few; the count says how many
     return out
 
 
@@ -394,6 +400,8 @@ def table(rows: list[dict]) -> str:
              "stream gap max: before -> during (added) |", "|---|---|---|---|---|"]
     for r in rows:
         outcome = ", ".join(sorted(set(r["outcomes"]))) + ("" if r["as_expected"] else " (UNEXPECTED)")
+        if "stack_exited" in r:
+            outcome += f"; {r['stack_exited']}"
         lines.append(f"| {r['what']} | {outcome} (x{len(r['outcomes'])}, {max(r['heavy_s']):.2f} s) | "
                      f"{cell(r['health_delay_p50_ms'])} / {cell(r['health_delay_max_ms'])} | "
                      f"{cell(r['completion_delay_p50_ms'])} / {cell(r['completion_delay_max_ms'])} | "
@@ -417,7 +425,9 @@ def start_stack(workdir: Path):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.stalls", description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default=",".join(case_names()), help="comma-separated subset (default all)")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                        help=f"comma-separated subset of {','.join(case_names())} (default all but "
+                             f"{','.join(sorted(set(case_names()) - set(DEFAULT_CASES)))}, which ends the stack)")
     parser.add_argument("--baseline-s", type=float, default=3.0, help="seconds of the baseline window")
     parser.add_argument("--heavy-s", type=float, default=2.0, help="the heavy request is repeated for this long")
     parser.add_argument("--output-dir", default="results/stalls")
@@ -443,7 +453,11 @@ def main(argv: list[str] | None = None) -> int:
             row = bench.run(name, args.baseline_s, args.heavy_s)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_count")}), flush=True)
             report["rows"].append(row)
-            if row["failures"]:  # e.g. tritonserver restarted: wait until the stack serves again
+            if server is not None and server.process.poll() is not None:
+                row["stack_exited"] = f"the launcher exited with status {server.process.returncode}"
+                print(row["stack_exited"], flush=True)
+                break
+            if row["failures"]:  # a restarted part: wait until the stack serves again
                 _wait_serving(openai_url)
     finally:
         bench.close()
