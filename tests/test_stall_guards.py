@@ -12,7 +12,6 @@ import time
 import pytest
 import uvicorn
 from starlette.responses import JSONResponse
-
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from backend.prompt_limits import encode_prompt
