@@ -267,18 +267,18 @@ class Watch:
             thread.join(30)
 
     def _probe(self, method: str, path: str, body, into: list) -> None:
-        session = requests.Session()
+        http = requests.Session()
         while not self.stop.is_set():
             start = time.time()
             try:
-                response = session.request(method, f"{self.openai_url}{path}", json=body, timeout=60)
+                response = http.request(method, f"{self.openai_url}{path}", json=body, timeout=60)
                 ok = response.status_code == 200
                 if not ok:
                     self.failures.append((start, f"{path}: {response.status_code} {response.text[:200]}"))
             except requests.RequestException as exc:
                 ok = False
                 self.failures.append((start, f"{path}: {type(exc).__name__}"))
-                session = requests.Session()
+                http = requests.Session()
             if ok:
                 into.append((start, time.time() - start))
             self.stop.wait(0.01)
