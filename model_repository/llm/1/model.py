@@ -21,6 +21,7 @@ A request the engine cannot take now (the waiting queue is full, or the engine i
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -107,6 +108,9 @@ class TritonPythonModel:
         # The same check from a native thread: the Python one cannot run while another thread holds the GIL
         # blocked in a call to the dead server.
         cpu_ops.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
+        # The model and libraries loaded (hundreds of thousands of objects) leave the collector's view: a full
+        # collection over them holds the GIL, and so the engine loop, for 0.4 s (the default model, 2 cores).
+        gc.freeze()
 
     def execute(self, requests: list) -> None:
         self.drain.start()  # here, not in initialize: see DrainMonitor.start
