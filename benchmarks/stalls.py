@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -191,7 +192,7 @@ def _cases() -> list[Case]:
         Case("schema_480_deep", "response_format schema of arrays nested 480 deep",
              lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(_nested_arrays(480))),
              ("400 invalid_request",)),
-        Case("schema_slow_compile", "response_format schema within bounds, ~1 s to compile (served)",
+        Case("schema_slow_compile", "response_format schema within bounds, ~1 s to compile on an idle core (served)",
              lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(slow_schema(24 + time.time_ns() % 7))),
              ("200 ok",)),
         Case("prompts_2000", "/v1/completions with 2,000 prompts",
@@ -453,8 +454,14 @@ def main(argv: list[str] | None = None) -> int:
             row = bench.run(name, args.baseline_s, args.heavy_s)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_count")}), flush=True)
             report["rows"].append(row)
-            if server is not None and server.process.poll() is not None:
-                row["stack_exited"] = f"the launcher exited with status {server.process.returncode}"
+            if not _answers(f"{triton_url}/v2/health/live"):
+                row["stack_exited"] = "tritonserver stopped answering"
+                if server is not None:
+                    try:
+                        server.process.wait(60)
+                        row["stack_exited"] += f"; the launcher exited with status {server.process.returncode}"
+                    except subprocess.TimeoutExpired:
+                        pass
                 print(row["stack_exited"], flush=True)
                 break
             if row["failures"]:  # a restarted part: wait until the stack serves again
@@ -474,6 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     (output / "report.md").write_text(text)
     print(text)
     return 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def _wait_serving(openai_url: str, timeout_s: float = 300) -> None:
