@@ -171,7 +171,8 @@ def _cases() -> list[Case]:
     triton_flood = functools.cache(lambda: _padded({"text_input": "Hi", "max_tokens": 1}, 1_000_000))
     return [
         Case("body_50mb", "50 MiB chat body, Content-Length declared",
-             lambda o, t: _post(f"{o}/v1/chat/completions", _big_body()), ("413 request_too_large", "connection closed")),
+             lambda o, t: _post(f"{o}/v1/chat/completions", _big_body()),
+             ("413 request_too_large", "connection closed")),
         Case("body_50mb_chunked", "50 MiB chat body, chunked (no Content-Length)",
              lambda o, t: _post(f"{o}/v1/chat/completions", _chunked_body()),
              ("413 request_too_large", "connection closed")),
@@ -186,7 +187,8 @@ def _cases() -> list[Case]:
              lambda o, t: _post(f"{o}/v1/completions/render", {"model": MODEL, "prompt": digits}), ("200 ok",)),
         Case("tokenize_330k_tokens", "330 kB of digits to /tokenize (330,000 token ids, within bounds)",
              lambda o, t: _post(f"{o}/tokenize", {"model": MODEL, "prompt": digits}), ("200 ok",)),
-        Case("completion_330k_tokens", "330 kB of digits to /v1/completions (tokenized by the engine, over max_model_len)",
+        Case("completion_330k_tokens",
+             "330 kB of digits to /v1/completions (tokenized by the engine, over max_model_len)",
              lambda o, t: _post(f"{o}/v1/completions", {"model": MODEL, "prompt": digits, "max_tokens": 1}),
              ("400 invalid_value", "400 invalid_request")),
         Case("schema_480_deep", "response_format schema of arrays nested 480 deep",
@@ -476,8 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "report.json").write_text(json.dumps(report, indent=2))
-    text = (table(report["rows"]) + f"\n\nms; {report['machine']['cpus']} CPUs, load average "
-            f"{report['machine']['loadavg_at_start'][0]} at start, {report['machine']['loadavg_at_end'][0]} at the end\n")
+    machine = report["machine"]
+    text = (table(report["rows"]) + f"\n\nms; {machine['cpus']} CPUs, load average "
+            f"{machine['loadavg_at_start'][0]} at start, {machine['loadavg_at_end'][0]} at the end\n")
     (output / "report.md").write_text(text)
     print(text)
     return 0
