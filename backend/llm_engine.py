@@ -45,7 +45,7 @@ from backend.model_support import inspect_attention
 from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.parallel_sampling import ParentRequest
-from backend.prompt_limits import check_prompt_bytes, max_prompt_bytes
+from backend.prompt_limits import check_prompt_bytes, encode_prompt, max_prompt_bytes
 from backend.sampling_params import SamplingParams
 from backend.stats import EngineStats
 from backend.structured_output import Grammar, GrammarCompiler, SchemaLimits
@@ -412,7 +412,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt)
+            return encode_prompt(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt is empty")

@@ -10,6 +10,7 @@ import uvicorn
 
 from openai_frontend.app import DEFAULT_MODEL_REPOSITORY, FrontendConfig, create_app
 from openai_frontend.auth import KEY_ENV, KEY_FILE_ENV, load_api_key
+from openai_frontend.http_protocol import SlicedHttpToolsProtocol
 from openai_frontend.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, Limits
 
 
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
                             args.chat_template.read_text() if args.chat_template else None, api_key, limits,
                             args.triton_metrics_url or None)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                http=SlicedHttpToolsProtocol)
 
 
 if __name__ == "__main__":

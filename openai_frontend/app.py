@@ -8,6 +8,7 @@ once the first delta arrived, so a request the model rejects gets its error stat
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 import uuid
@@ -23,11 +24,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.fan_in import Completion, FanIn
+from backend.prompt_limits import encode_prompt
 from openai_frontend import metrics
 from openai_frontend.auth import protect
 from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError
-from openai_frontend.limits import Limits, check_completion_count, install_limits, max_model_len, render_token_ids
+from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
+                                    render_token_ids, warm_tokenizers)
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
@@ -60,6 +63,10 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(warm_tokenizers, config.model_repository, config.tokenizer)  # before serving
+        # The startup heap (libraries, tokenizers: ~400k objects) leaves the collector's view: a full collection
+        # of it took 0.2 s, on the event loop, whenever the objects of heavy requests set one off.
+        gc.freeze()
         yield
         await triton.close()
 
@@ -164,7 +171,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
         ids = await render_token_ids(tokenizer, prompts, max_model_len(config.model_repository, name, version))
-        return [{"token_ids": token_ids} for token_ids in ids]
+        return await json_response([{"token_ids": token_ids} for token_ids in ids])
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest):
@@ -174,7 +181,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools)  # as generated
         (ids,) = await render_token_ids(tokenizer, [prompt], max_model_len(config.model_repository, name, version))
-        return {"token_ids": ids}
+        return await json_response({"token_ids": ids})
 
     app.include_router(token_routes(triton, config))
     app.include_router(responses_routes(chat_completions))  # POST /v1/responses, over the chat route
@@ -194,7 +201,7 @@ def _echo_prompts(tokenizer, prompts: list[str | list[int]], with_ids: bool) -> 
     for prompt in prompts:
         texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt))
         if with_ids:
-            token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            token_ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else prompt
             ids.append((token_ids, tokenizer.decode(token_ids[:1])))
         else:
             ids.append(None)
@@ -242,8 +249,13 @@ async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str 
             await queue.put((i, None, exc))
         await queue.put((i, None, None))
 
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    tasks = []
     try:
+        for i, p in enumerate(prompts):
+            # One request opened per turn of the event loop: 256 tasks started at once would each run their
+            # first step (building and sending a gRPC request) before the loop polls a socket again.
+            tasks.append(asyncio.create_task(pump(i, p)))
+            await asyncio.sleep(0)
         remaining = len(tasks)
         while remaining:
             i, delta, error = await queue.get()

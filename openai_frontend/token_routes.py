@@ -3,7 +3,7 @@
 ``/tokenize`` takes a completion's ``prompt`` or a chat's ``messages`` (rendered as ``/v1/chat/completions``
 renders them) and answers the token ids the engine computes, with ``count`` and ``max_model_len``;
 ``/detokenize`` turns token ids back into text. Tokenizing runs on a worker thread, with the prompt bound
-generation has (``openai_frontend.limits``).
+generation has, and the answer is written as JSON off the event loop (``openai_frontend.limits``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError
-from openai_frontend.limits import max_model_len, render_token_ids
+from openai_frontend.limits import json_response, max_model_len, render_token_ids
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest
 from openai_frontend.tool_calls import ToolChoice
@@ -81,8 +81,8 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
         [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=body.add_special_tokens)
         answer = {"count": len(ids), "max_model_len": limit, "tokens": ids}
         if body.return_token_strs:
-            answer["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return answer
+            answer["token_strs"] = await asyncio.to_thread(tok.convert_ids_to_tokens, ids)
+        return await json_response(answer)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

@@ -6,6 +6,8 @@ response sender. Every request gets exactly one response flagged FINAL, however 
 
 Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tokenizing of prompts up to
 ``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
+``llm-grammar-<i>`` (one per grammar compile thread: adds the requests whose structured-output constraint is not
+compiled yet, each waiting for its compile, up to the compile timeout, so that no request waits behind it),
 ``llm-sender`` (responses, a completion's queued deltas merged into one; metrics), ``llm-cancel`` (asks each
 sender ``is_cancelled()`` every ``CANCEL_SWEEP_S``, or less often past ``MAX_CANCEL_CHECKS_PER_S``, and aborts
 those requests in the engine, which drops a waiting one before it can be scheduled), ``llm-drain``
@@ -19,6 +21,7 @@ A request the engine cannot take now (the waiting queue is full, or the engine i
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -88,15 +91,22 @@ class TritonPythonModel:
         self.server_pid = os.getppid()
         self.stopping = threading.Event()
         self.intake: queue.Queue = queue.Queue()
+        self.grammar_intake: queue.Queue = queue.Queue()
         self.engine.start()
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self.sender_thread.start()
-        threading.Thread(target=self._intake_loop, name="llm-intake", daemon=True).start()
+        threading.Thread(target=self._intake_loop, args=(self.intake,), name="llm-intake", daemon=True).start()
+        for i in range(self.engine.grammar_compiler.compile_threads):
+            threading.Thread(target=self._intake_loop, args=(self.grammar_intake,), name=f"llm-grammar-{i}",
+                             daemon=True).start()
         threading.Thread(target=self._cancel_loop, name="llm-cancel", daemon=True).start()
         threading.Thread(target=self._exit_when_orphaned, name="llm-watchdog", daemon=True).start()
         # The same check from a native thread: the Python one cannot run while another thread holds the GIL
         # blocked in a call to the dead server.
         cpu_ops.exit_when_orphaned(self.server_pid, ORPHAN_CHECK_S)
+        # The model and libraries loaded (hundreds of thousands of objects) leave the collector's view: a full
+        # collection over them holds the GIL, and so the engine loop, for 0.4 s (the default model, 2 cores).
+        gc.freeze()
 
     def execute(self, requests: list) -> None:
         self.drain.start()  # here, not in initialize: see DrainMonitor.start
@@ -121,6 +131,11 @@ class TritonPythonModel:
             state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None,
                               returns=parsed.returns, wanted=frozenset(request.requested_output_names()),
                               prompt_logprobs=parsed.params.prompt_logprobs is not None)
+            structured = parsed.params.structured_outputs
+            if structured is not None and not self.engine.grammar_compiler.is_cached(structured):
+                self.inflight[request_id] = state
+                self.grammar_intake.put((parsed, request_id))
+                return None
             if isinstance(parsed.prompt, str) and len(parsed.prompt) > INLINE_TOKENIZE_BYTES // 4:
                 check_prompt_bytes(parsed.prompt, self.engine.max_prompt_bytes, self.engine.max_model_len)
                 if len(parsed.prompt.encode("utf-8", "surrogatepass")) > INLINE_TOKENIZE_BYTES:
@@ -156,16 +171,20 @@ class TritonPythonModel:
         self.stopping.set()
         self.drain.stop()
         self.intake.put(None)
+        for _ in range(self.engine.grammar_compiler.compile_threads):
+            self.grammar_intake.put(None)
         self.engine.shutdown(timeout=5.0)  # in-flight requests end with finish_reason "abort"
         self.outputs.put(None)
         self.sender_thread.join(timeout=5.0)
 
     # -- threads ------------------------------------------------------------------------------------
-    def _intake_loop(self) -> None:
-        """Tokenizes long prompts off Triton's execute thread (the Rust tokenizer releases the GIL), so a
-        short request arriving behind them is queued in the engine at once. Errors found here (too many
-        tokens) reach the client as INVALID_ARG like any other, but Triton cannot count them as failures."""
-        while (item := self.intake.get()) is not None:
+    def _intake_loop(self, intake: queue.Queue) -> None:
+        """Adds the requests of ``intake`` to the engine off Triton's execute thread: long prompts (tokenized
+        here; the Rust tokenizer releases the GIL) or constraints to compile (waited for here), so a short
+        request arriving behind them is queued in the engine at once. Errors found here (too many tokens, a
+        constraint refused) reach the client as INVALID_ARG like any other, but Triton cannot count them as
+        failures."""
+        while (item := intake.get()) is not None:
             parsed, request_id = item
             state = self.inflight.get(request_id)
             if state is None:
