@@ -413,6 +413,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def page_markdown(report: dict) -> str:
+    """The table, in milliseconds (``benchmarks.docs_page``)."""
+    return table(report["rows"]) + "\n\nAll figures in ms: each delay is the heavy window's figure minus the baseline's.\n"
+
+
+markdown = page_markdown
+
+
 def start_stack(workdir: Path):
     """``python -m serve`` on a one-version repository (:data:`ENGINE_SETTINGS`), the frontend on a free port;
     returns the server handle (``tests/triton_server.py``) with ``openai_url`` set."""
@@ -441,8 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(case_names())
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; known: {case_names()}")
-    report = {"command": " ".join(["python -m benchmarks.stalls", *(sys.argv[1:] if argv is None else argv)]),
-              "machine": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
+    from benchmarks.machine import machine_info
+
+    report = {"benchmark": "benchmarks.stalls",
+              "command": " ".join(["python -m benchmarks.stalls", *(sys.argv[1:] if argv is None else argv)]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": {**machine_info(0), "cpus": os.cpu_count()},
               "engine_settings": ENGINE_SETTINGS, "rows": []}
     server = None
     if args.openai_url:
