@@ -1,0 +1,180 @@
+// Weight-only int8 GEMMs ("W8A16"): y = x · dequant(W)^T + bias with W stored as int8 per output channel, symmetric
+// (w[n][k] = scale[n] * q[n][k], q in [-127, 127]), for the rows of decode steps and, chunk by chunk, prompts.
+// A decode step of a 0.5-3B model is bound by reading its weights (small_gemm.cpp): int8 weights are half the bytes
+// of bf16, so the step reads half as much. The idea is weight-only per-channel quantization as in LLM.int8()
+// (Dettmers et al., NeurIPS 2022, sec. 3.1, vector-wise quantization) and the W8A16 paths of vLLM and TensorRT-LLM.
+// The weights are packed at load into small_gemm's fp32 tile layout, one byte per weight: per block of 16 outputs,
+// K vectors of 16 int8 (one per k), followed by the block's 16 fp32 scales (64 bytes), so a thread streams a
+// block's weights and then its scales in one run. In registers each k's 16 weights widen int8 -> int32 -> fp32
+// (vpmovsxbd, vcvtdq2ps) and are multiplied into the same register blocking as small_gemm's fp32 path (4 blocks of
+// 16 outputs by up to 6 rows); the sums are exact products of x and the integers, scaled once per output at the end.
+// Activations are fp32 or bf16 (bf16 rows widened to fp32 once per call); results are rounded to x's dtype once.
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <atomic>
+#include <vector>
+
+namespace llm_cpu {
+namespace {
+
+constexpr int64_t INT8_GEMM_MAX_ROWS = 256;  // rows one call takes (the Python side chunks longer prompts)
+constexpr int64_t INT8_SCALE_BYTES = 16 * sizeof(float);  // the 16 fp32 scales after each block's weights
+
+#if LLM_HAVE_AVX512
+// Rows x[0..MB) (fp32) against NB consecutive int8 blocks (block j at w + j * stride bytes: K vectors of 16 int8,
+// then 16 fp32 scales): c[m * 64 + 16 * j + n] = scale_j[n] * sum_k x[m][k] q_j[k][n].
+template <int MB, int NB>
+inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_t stride, float* c,
+                       const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K - 1) / K : 0;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    prefetch_share(pf, pf_lines, pf_step, k);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j)
+      wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + 16 * k))));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c + m * 64 + 16 * j, _mm512_mul_ps(acc[m][j], scale));
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace llm_cpu
+
+// Whether this build runs int8_gemm (AVX-512).
+bool int8_gemm_available() { return LLM_HAVE_AVX512; }
+
+// The most rows one int8_gemm call takes.
+int64_t int8_gemm_max_rows() { return llm_cpu::INT8_GEMM_MAX_ROWS; }
+
+// weight [N, K] fp32 or bf16, N % 16 == 0 -> int8 [N / 16, 16 * K + 64]: per block of 16 outputs, for each k the 16
+// outputs' int8 values q = round(w / scale) (|q| <= 127, ties away from zero), then the 16 fp32 scales
+// max_k |w[n][k]| / 127 (1 for an all-zero row) as raw bytes. Returns the packed tensor.
+torch::Tensor int8_gemm_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16)
+              && weight.size(0) % 16 == 0 && weight.size(1) >= 1,
+              "int8_gemm_pack: fp32 or bf16 [N, K], N % 16 == 0");
+  const int64_t N = weight.size(0), K = weight.size(1), NB = N / 16, stride = 16 * K + llm_cpu::INT8_SCALE_BYTES;
+  torch::Tensor w = weight.to(at::kFloat).contiguous();
+  torch::Tensor packed = torch::empty({NB, stride}, weight.options().dtype(at::kChar));
+  const float* ws = w.data_ptr<float>();
+  int8_t* ps = packed.data_ptr<int8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      int8_t* block = ps + nb * stride;
+      float scales[16];
+      for (int64_t n = 0; n < 16; ++n) {
+        const float* row = ws + (nb * 16 + n) * K;
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+        scales[n] = amax > 0.f ? amax / 127.f : 1.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const float q = std::round(row[k] / scales[n]);
+          block[16 * k + n] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+        }
+      }
+      std::memcpy(block + 16 * K, scales, sizeof(scales));
+    }
+  });
+  return packed;
+}
+
+// weight's dequantized values, [N, K] fp32: scale[n] * q[n][k] (the reference int8_gemm computes against).
+torch::Tensor int8_gemm_unpack(torch::Tensor packed, int64_t K) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
+              && packed.size(1) == 16 * K + llm_cpu::INT8_SCALE_BYTES, "int8_gemm_unpack: packed [N / 16, 16 K + 64]");
+  const int64_t NB = packed.size(0), stride = packed.size(1);
+  torch::Tensor w = torch::empty({NB * 16, K}, packed.options().dtype(at::kFloat));
+  const int8_t* ps = packed.data_ptr<int8_t>();
+  float* ws = w.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int8_t* block = ps + nb * stride;
+      float scales[16];
+      std::memcpy(scales, block + 16 * K, sizeof(scales));
+      for (int64_t n = 0; n < 16; ++n)
+        for (int64_t k = 0; k < K; ++k) ws[(nb * 16 + n) * K + k] = scales[n] * static_cast<float>(block[16 * k + n]);
+    }
+  });
+  return w;
+}
+
+// out [M, N] = x [M, K] · dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
+// 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
+// (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time.
+void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  using namespace llm_cpu;
+  TORCH_CHECK(int8_gemm_available(), "int8_gemm: this build has no AVX-512");
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
+              && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
+              ", K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
+              && packed.size(1) == 16 * K + INT8_SCALE_BYTES, "int8_gemm: packed int8 [N / 16, 16 K + 64] for K = ", K);
+  const int64_t NB = packed.size(0), N = NB * 16, stride = packed.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N
+              && out.scalar_type() == x.scalar_type(), "int8_gemm: out [M, N] contiguous, x's dtype");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
+              "int8_gemm: bias [N] of x's dtype");
+#if LLM_HAVE_AVX512
+  std::vector<float> widened(bf16_x ? M * K : 0);
+  if (bf16_x) {
+    const bf16* xb = reinterpret_cast<const bf16*>(x.data_ptr());
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = to_float(xb[i]);
+  }
+  const float* xs = bf16_x ? widened.data() : x.data_ptr<float>();
+  const int8_t* ws = packed.data_ptr<int8_t>();
+  const int64_t groups = (NB + 3) / 4;
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
+  {
+    alignas(64) float c[6 * 64];
+    for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
+      const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
+      const int8_t* w = ws + nb0 * stride;
+      // The next group this thread likely takes, prefetched a share per pass of 6 rows (see small_gemm_vector).
+      const int64_t next = g + omp_get_num_threads(), passes = (M + 5) / 6;
+      const int64_t pf_total = passes >= 2 && next < groups ? std::min<int64_t>(4, NB - 4 * next) * stride / 64 : 0;
+      const char* pf_base = reinterpret_cast<const char*>(ws + 4 * next * stride);
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
+        const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
+        const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
+        with_rows(rows, [&](auto mb) {
+          constexpr int MB = decltype(mb)::value;
+          if (nbs == 4) int8_block<MB, 4>(xs + m0 * K, K, w, stride, c, pf, pf_lines);
+          else for (int64_t j = 0; j < nbs; ++j) int8_block<MB, 1>(xs + m0 * K, K, w + j * stride, stride, c + 16 * j);
+        });
+        if (bf16_x) {
+          bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
+          const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t j = 0; j < nbs; ++j)
+              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, c + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+        } else {
+          float* ys = out.data_ptr<float>();
+          const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < 16 * nbs; ++n)
+              ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+        }
+      }
+    }
+  }
+#endif
+}
