@@ -251,13 +251,16 @@ def int8_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     return _module().int8_gemm_pack(weight.contiguous())
 
 
-def int8_gemm_unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The weight :func:`int8_gemm_pack` stored, dequantized: ``[N, K]`` fp32, ``scale[n] * q[n, k]``.
+def int8_gemm_unpack(packed: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight :func:`int8_gemm_pack` stored, dequantized: ``[N, K]`` of ``dtype`` (fp32 or bf16, rounded once),
+    ``scale[n] * q[n, k]``.
 
     Raises:
         RuntimeError: the extension could not be built, or ``packed`` is not a packing of K = ``in_features``.
     """
-    return _module().int8_gemm_unpack(packed, in_features)
+    out = torch.empty(packed.shape[0] * 16, in_features, dtype=dtype)
+    _module().int8_gemm_unpack(out, packed)
+    return out
 
 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,

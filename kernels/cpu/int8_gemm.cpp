@@ -16,6 +16,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 namespace llm_cpu {
@@ -93,24 +94,32 @@ torch::Tensor int8_gemm_pack(torch::Tensor weight) {
   return packed;
 }
 
-// weight's dequantized values, [N, K] fp32: scale[n] * q[n][k] (the reference int8_gemm computes against).
-torch::Tensor int8_gemm_unpack(torch::Tensor packed, int64_t K) {
+// The weight int8_gemm_pack stored, dequantized into `out` [N, K] (fp32 or bf16, rounded once): scale[n] * q[n][k].
+// The reference int8_gemm computes against, and the weights of prompt-sized GEMMs (dequantized per call, then a
+// oneDNN GEMM).
+void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
+  const int64_t K = out.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
               && packed.size(1) == 16 * K + llm_cpu::INT8_SCALE_BYTES, "int8_gemm_unpack: packed [N / 16, 16 K + 64]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == packed.size(0) * 16
+              && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "int8_gemm_unpack: out fp32 or bf16 [N, K] contiguous");
   const int64_t NB = packed.size(0), stride = packed.size(1);
-  torch::Tensor w = torch::empty({NB * 16, K}, packed.options().dtype(at::kFloat));
   const int8_t* ps = packed.data_ptr<int8_t>();
-  float* ws = w.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int8_t* block = ps + nb * stride;
-      float scales[16];
-      std::memcpy(scales, block + 16 * K, sizeof(scales));
-      for (int64_t n = 0; n < 16; ++n)
-        for (int64_t k = 0; k < K; ++k) ws[(nb * 16 + n) * K + k] = scales[n] * static_cast<float>(block[16 * k + n]);
-    }
+  llm_cpu::dispatch_float_types(out.scalar_type(), "int8_gemm_unpack", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* ws = reinterpret_cast<T*>(out.data_ptr());
+    at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int8_t* block = ps + nb * stride;
+        float scales[16];
+        std::memcpy(scales, block + 16 * K, sizeof(scales));
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t n = 0; n < 16; ++n)
+            ws[(nb * 16 + n) * K + k] = llm_cpu::from_float<T>(scales[n] * static_cast<float>(block[16 * k + n]));
+      }
+    });
   });
-  return w;
 }
 
 // out [M, N] = x [M, K] · dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
