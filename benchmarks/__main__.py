@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="run the systems this many times in turn; ratios per round and their median (default 1)")
     parser.add_argument("--served-offline-stream", action="store_true",
                         help="the server's offline run streams every token (default: whole answers, stream false)")
+    parser.add_argument("--quantization", choices=("none", "int8"),
+                        help="our engine's quantization (default none; int8: weight-only int8 linears)")
     parser.add_argument("--shape", help="a model shape with random weights instead of --model: "
                                         "smollm2-360m, smollm2-1.7b, llama-3b (benchmarks.shapes; written once)")
     parser.add_argument("--limits", action="store_true",
@@ -53,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
-                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape"):
+                  "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape",
+                  "quantization"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):
