@@ -12,11 +12,12 @@ from backend import EngineConfig, SamplingParams
 from backend.models.layers import Linear
 from conftest import ReferenceModel, assert_matches_reference, run_to_completion
 
-pytestmark = pytest.mark.skipif(not kernels.cpu.int8_gemm_available(), reason="kernels/cpu without AVX-512")
+pytestmark = pytest.mark.skipif(not kernels.cpu.int8_gemm_available(torch.bfloat16),
+                                reason="kernels/cpu without AVX-512 and AVX512-BF16")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(16, 7), (48, 129), (80, 1000)])
+@pytest.mark.parametrize("n, k", [(16, 2), (48, 130), (80, 1000)])
 def test_int8_gemm_equals_dequantized_matmul(dtype, n, k):
     torch.manual_seed(n + k)
     weight = torch.randn(n, k) * 0.05
@@ -58,6 +59,8 @@ def test_int8_linear_refuses_what_the_kernel_cannot_run():
         Linear(torch.randn(32, 16, dtype=torch.float16), quantization="int8")
     with pytest.raises(ValueError, match="multiple of 16"):
         Linear(torch.randn(40, 16), quantization="int8")
+    with pytest.raises(ValueError, match="in_features even"):
+        Linear(torch.randn(32, 15), quantization="int8")
     with pytest.raises(ValueError, match="none or int8"):
         Linear(torch.randn(32, 16), quantization="int4")
 

@@ -41,8 +41,9 @@ class Linear(torch.nn.Module):
             as in LLM.int8() (Dettmers et al. 2022, sec. 3.1), without its fp16 outlier columns.
 
     Raises:
-        ValueError: ``int8`` where ``cpu_ops.int8_gemm`` cannot run (not a CPU tensor, no AVX-512 build, an
-            fp16 weight, out_features not a multiple of 16), or an unknown ``quantization``.
+        ValueError: ``int8`` where ``cpu_ops.int8_gemm`` cannot run (:func:`int8_unsupported_reason`: not a CPU
+            tensor, a build without AVX-512 / AVX512-BF16, an fp16 weight, a shape it does not take), or an unknown
+            ``quantization``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False,
@@ -87,18 +88,20 @@ class Linear(torch.nn.Module):
 
 def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
     """Why ``weight`` ``[out_features, in_features]`` cannot be quantized for ``cpu_ops.int8_gemm`` (None when it
-    can): its kernel needs a CPU, the C++ kernels built with AVX-512, fp32 or bf16 activations (the weight's
-    dtype), and out_features a multiple of 16."""
+    can): its kernel needs a CPU, the C++ kernels built with AVX-512 (and AVX512-BF16 for bf16), fp32 or bf16
+    activations (the weight's dtype), out_features a multiple of 16 and in_features even."""
     if weight.device.type != "cpu":
         return f"the int8 GEMM is a CPU kernel, the weights are on {weight.device}"
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return f"the int8 GEMM takes float32 or bfloat16 activations, the model is {weight.dtype}"
-    if weight.shape[0] % 16:
-        return f"out_features {weight.shape[0]} is not a multiple of 16"
+    if weight.shape[0] % 16 or weight.shape[1] % 2:
+        return f"the weight [{weight.shape[0]}, {weight.shape[1]}] needs out_features a multiple of 16 and " \
+               "in_features even"
     if not cpu_ops.available():
         return "the C++ CPU kernels (kernels/cpu) did not build on this machine"
-    if not cpu_ops.int8_gemm_available():
-        return "the C++ CPU kernels were built without AVX-512"
+    if not cpu_ops.int8_gemm_available(weight.dtype):
+        needs = "AVX512-BF16" if weight.dtype == torch.bfloat16 else "AVX-512"
+        return f"the C++ CPU kernels were built without {needs} (needed for {weight.dtype} activations)"
     return None
 
 

@@ -228,10 +228,12 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
-def int8_gemm_available() -> bool:
-    """Whether :func:`int8_gemm` runs here: the kernels built, with AVX-512."""
+def int8_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`int8_gemm` runs here for activations of ``dtype``: the kernels built, with AVX-512 (fp32) and
+    AVX512-BF16 (bf16)."""
     module = load()
-    return module is not None and module.int8_gemm_available()
+    return dtype in (torch.float32, torch.bfloat16) and module is not None \
+        and module.int8_gemm_available(dtype == torch.bfloat16)
 
 
 def int8_gemm_max_rows() -> int:
@@ -240,10 +242,11 @@ def int8_gemm_max_rows() -> int:
 
 
 def int8_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
-    """Quantizes ``weight`` ``[N, K]`` (fp32 or bf16, N a multiple of 16) per output channel, symmetric, to int8:
-    ``q = round(w / scale)``, ``scale = max_k |w[n, k]| / 127`` in fp32 (LLM.int8()'s vector-wise quantization,
-    Dettmers et al. 2022, weights only). Returns int8 ``[N / 16, 16 K + 64]``: per block of 16 outputs, K vectors
-    of 16 int8 (small_gemm's fp32 tile layout, one byte per weight), then the 16 scales as fp32 bytes.
+    """Quantizes ``weight`` ``[N, K]`` (fp32 or bf16, N a multiple of 16, K even) per output channel, symmetric, to
+    int8: ``q = round(w / scale)``, ``scale = max_k |w[n, k]| / 127`` in fp32 (LLM.int8()'s vector-wise
+    quantization, Dettmers et al. 2022, weights only). Returns int8 ``[N / 16, 16 K + 64]``: per block of 16
+    outputs, K / 2 runs of 16 outputs x 2 consecutive k (small_gemm's bf16 tile layout, one byte per weight), then
+    the 16 scales as fp32 bytes.
 
     Raises:
         RuntimeError: the extension could not be built, or the shape / dtype is not one of the above.
@@ -265,8 +268,9 @@ def int8_gemm_unpack(packed: torch.Tensor, in_features: int, dtype: torch.dtype 
 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened to fp32 in
-    registers; the sums are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
+    """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
+    (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds); the fp32 sums
+    are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
@@ -276,7 +280,8 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
         ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once).
 
     Raises:
-        RuntimeError: no AVX-512 in this build, or shapes / dtypes do not match.
+        RuntimeError: the kernel is unavailable for the dtype (:func:`int8_gemm_available`), or shapes / dtypes do
+            not match.
     """
     module = _module()
     x = x.contiguous()

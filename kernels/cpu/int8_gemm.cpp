@@ -3,12 +3,13 @@
 // A decode step of a 0.5-3B model is bound by reading its weights (small_gemm.cpp): int8 weights are half the bytes
 // of bf16, so the step reads half as much. The idea is weight-only per-channel quantization as in LLM.int8()
 // (Dettmers et al., NeurIPS 2022, sec. 3.1, vector-wise quantization) and the W8A16 paths of vLLM and TensorRT-LLM.
-// The weights are packed at load into small_gemm's fp32 tile layout, one byte per weight: per block of 16 outputs,
-// K vectors of 16 int8 (one per k), followed by the block's 16 fp32 scales (64 bytes), so a thread streams a
-// block's weights and then its scales in one run. In registers each k's 16 weights widen int8 -> int32 -> fp32
-// (vpmovsxbd, vcvtdq2ps) and are multiplied into the same register blocking as small_gemm's fp32 path (4 blocks of
-// 16 outputs by up to 6 rows); the sums are exact products of x and the integers, scaled once per output at the end.
-// Activations are fp32 or bf16 (bf16 rows widened to fp32 once per call); results are rounded to x's dtype once.
+// The weights are packed at load into small_gemm's bf16 tile layout, one byte per weight: per block of 16 outputs,
+// K / 2 runs of 32 int8 (each output's two consecutive k), followed by the block's 16 fp32 scales (64 bytes), so a
+// thread streams a block's weights and then its scales in one run. In registers each run widens int8 -> int32 ->
+// fp32 (vpmovsxbd, vcvtdq2ps) and goes into small_gemm's register blocking (blocks of 16 outputs by up to 6 rows):
+// for bf16 activations it is rounded to bf16 (exact for |q| <= 127) and multiplied with AVX512-BF16's vdpbf16ps, 32
+// multiply-adds an instruction; for fp32 activations with fp32 multiply-adds. The sums are exact products of x and the
+// integers, accumulated in fp32 and scaled once per output at the end; results are rounded to x's dtype once.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -26,24 +27,75 @@ constexpr int64_t INT8_GEMM_MAX_ROWS = 256;  // rows one call takes (the Python 
 constexpr int64_t INT8_SCALE_BYTES = 16 * sizeof(float);  // the 16 fp32 scales after each block's weights
 
 #if LLM_HAVE_AVX512
-// Rows x[0..MB) (fp32) against NB consecutive int8 blocks (block j at w + j * stride bytes: K vectors of 16 int8,
-// then 16 fp32 scales): c[m * 64 + 16 * j + n] = scale_j[n] * sum_k x[m][k] q_j[k][n].
+// A k pair's 16 outputs of a block (32 int8 at w: output n's pair at bytes 2n, 2n + 1) widened to fp32:
+// lo = outputs 0..7, hi = outputs 8..15, each lane pair (k even, k odd).
+inline void widen_pair(const int8_t* w, __m512& lo, __m512& hi) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+}
+
+// fp32 rows x[0..MB) against NB consecutive int8 blocks (block j at w + j * stride bytes: K / 2 pairs of 32 int8,
+// then 16 fp32 scales): c[m * 64 + 16 * j + n] = scale_j[n] * sum_k x[m][k] q_j[n][k]. Each lane sums one output's
+// even or odd k (the row's pair broadcast); the two are added at the end.
 template <int MB, int NB>
-inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_t stride, float* c,
-                       const char* pf = nullptr, int64_t pf_lines = 0) {
-  const int64_t pf_step = pf ? (pf_lines + K - 1) / K : 0;
+inline void int8_block_fp32(const float* x, int64_t K, const int8_t* w, int64_t stride, float* c,
+                            const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
+  __m512 acc[MB][NB][2];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch_share(pf, pf_lines, pf_step, p);
+    __m512 wv[NB][2];
+    for (int j = 0; j < NB; ++j) widen_pair(w + j * stride + 32 * p, wv[j][0], wv[j][1]);
+    for (int m = 0; m < MB; ++m) {
+      int64_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+      const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi64(pair));
+      for (int j = 0; j < NB; ++j) {
+        acc[m][j][0] = _mm512_fmadd_ps(xv, wv[j][0], acc[m][j][0]);
+        acc[m][j][1] = _mm512_fmadd_ps(xv, wv[j][1], acc[m][j][1]);
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int j = 0; j < NB; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][j][0], even, acc[m][j][1]),
+                                       _mm512_permutex2var_ps(acc[m][j][0], odd, acc[m][j][1]));
+      _mm512_storeu_ps(c + m * 64 + 16 * j, _mm512_mul_ps(sum, scale));
+    }
+  }
+}
+#endif
+
+#if LLM_HAVE_AVX512_BF16
+// bf16 rows: as int8_block_fp32, but each k pair's weights are rounded to bf16 (exact: |q| <= 127 needs 7 bits) and
+// multiplied with vdpbf16ps (16 outputs x 2 k per instruction, small_gemm's bf16 layout), twice the multiply-adds
+// per instruction of fp32; the products are exact and summed in fp32.
+template <int MB, int NB>
+inline void int8_block_bf16(const bf16* x, int64_t K, const int8_t* w, int64_t stride, float* c,
+                            const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch_share(pf, pf_lines, pf_step, k);
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j)
-      wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + 16 * k))));
+  for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch_share(pf, pf_lines, pf_step, p);
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      __m512 lo, hi;
+      widen_pair(w + j * stride + 32 * p, lo, hi);
+      wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+    }
     for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
     }
   }
   for (int j = 0; j < NB; ++j) {
@@ -56,19 +108,20 @@ inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_t strid
 }  // namespace
 }  // namespace llm_cpu
 
-// Whether this build runs int8_gemm (AVX-512).
-bool int8_gemm_available() { return LLM_HAVE_AVX512; }
+// Whether this build runs int8_gemm: AVX-512 for fp32 activations; bf16 activations also need AVX512-BF16.
+bool int8_gemm_available(bool bf16) { return bf16 ? LLM_HAVE_AVX512_BF16 : LLM_HAVE_AVX512; }
 
 // The most rows one int8_gemm call takes.
 int64_t int8_gemm_max_rows() { return llm_cpu::INT8_GEMM_MAX_ROWS; }
 
-// weight [N, K] fp32 or bf16, N % 16 == 0 -> int8 [N / 16, 16 * K + 64]: per block of 16 outputs, for each k the 16
-// outputs' int8 values q = round(w / scale) (|q| <= 127, ties away from zero), then the 16 fp32 scales
+// weight [N, K] fp32 or bf16, N % 16 == 0, K even -> int8 [N / 16, 16 * K + 64]: per block of 16 outputs, for each
+// pair of consecutive k the 16 outputs' two int8 values q = round(w / scale) (|q| <= 127, ties away from zero),
+// output-major (small_gemm's bf16 tile layout, one byte per weight), then the 16 fp32 scales
 // max_k |w[n][k]| / 127 (1 for an all-zero row) as raw bytes. Returns the packed tensor.
 torch::Tensor int8_gemm_pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16)
-              && weight.size(0) % 16 == 0 && weight.size(1) >= 1,
-              "int8_gemm_pack: fp32 or bf16 [N, K], N % 16 == 0");
+              && weight.size(0) % 16 == 0 && weight.size(1) >= 2 && weight.size(1) % 2 == 0,
+              "int8_gemm_pack: fp32 or bf16 [N, K], N % 16 == 0, K even");
   const int64_t N = weight.size(0), K = weight.size(1), NB = N / 16, stride = 16 * K + llm_cpu::INT8_SCALE_BYTES;
   torch::Tensor w = weight.to(at::kFloat).contiguous();
   torch::Tensor packed = torch::empty({NB, stride}, weight.options().dtype(at::kChar));
@@ -85,7 +138,7 @@ torch::Tensor int8_gemm_pack(torch::Tensor weight) {
         scales[n] = amax > 0.f ? amax / 127.f : 1.f;
         for (int64_t k = 0; k < K; ++k) {
           const float q = std::round(row[k] / scales[n]);
-          block[16 * k + n] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+          block[32 * (k / 2) + 2 * n + k % 2] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
         }
       }
       std::memcpy(block + 16 * K, scales, sizeof(scales));
@@ -114,9 +167,10 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
         const int8_t* block = ps + nb * stride;
         float scales[16];
         std::memcpy(scales, block + 16 * K, sizeof(scales));
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t n = 0; n < 16; ++n)
-            ws[(nb * 16 + n) * K + k] = llm_cpu::from_float<T>(scales[n] * static_cast<float>(block[16 * k + n]));
+        for (int64_t n = 0; n < 16; ++n)
+          for (int64_t k = 0; k < K; ++k)
+            ws[(nb * 16 + n) * K + k] =
+                llm_cpu::from_float<T>(scales[n] * static_cast<float>(block[32 * (k / 2) + 2 * n + k % 2]));
       }
     });
   });
@@ -127,8 +181,8 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
 // (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time.
 void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
-  TORCH_CHECK(int8_gemm_available(), "int8_gemm: this build has no AVX-512");
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ", bf16_x ? "AVX512-BF16" : "AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
               && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
               ", K] contiguous");
@@ -141,12 +195,6 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
               "int8_gemm: bias [N] of x's dtype");
 #if LLM_HAVE_AVX512
-  std::vector<float> widened(bf16_x ? M * K : 0);
-  if (bf16_x) {
-    const bf16* xb = reinterpret_cast<const bf16*>(x.data_ptr());
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = to_float(xb[i]);
-  }
-  const float* xs = bf16_x ? widened.data() : x.data_ptr<float>();
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int64_t groups = (NB + 3) / 4;
   std::atomic<int64_t> taken{0};
@@ -164,18 +212,31 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
         const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
         const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
-        with_rows(rows, [&](auto mb) {
-          constexpr int MB = decltype(mb)::value;
-          if (nbs == 4) int8_block<MB, 4>(xs + m0 * K, K, w, stride, c, pf, pf_lines);
-          else for (int64_t j = 0; j < nbs; ++j) int8_block<MB, 1>(xs + m0 * K, K, w + j * stride, stride, c + 16 * j);
-        });
         if (bf16_x) {
+#if LLM_HAVE_AVX512_BF16
+          const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr()) + m0 * K;
+          with_rows(rows, [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            if (nbs == 4) int8_block_bf16<MB, 4>(xs, K, w, stride, c, pf, pf_lines);
+            else for (int64_t j = 0; j < nbs; ++j) int8_block_bf16<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
+          });
+#endif
           bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
           const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t j = 0; j < nbs; ++j)
               store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, c + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
         } else {
+          // Two blocks at a time: 2 accumulators per row and block (even and odd k) fill the registers.
+          const float* xs = x.data_ptr<float>() + m0 * K;
+          with_rows(rows, [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            for (int64_t j = 0; j < nbs; j += 2) {
+              if (j + 1 < nbs) int8_block_fp32<MB, 2>(xs, K, w + j * stride, stride, c + 16 * j,
+                                                      j ? nullptr : pf, j ? 0 : pf_lines);
+              else int8_block_fp32<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
+            }
+          });
           float* ys = out.data_ptr<float>();
           const float* bs = bias ? bias->data_ptr<float>() : nullptr;
           for (int64_t m = 0; m < rows; ++m)
