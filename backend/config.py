@@ -69,7 +69,8 @@ class EngineConfig:
             linear weights (QKV, O, gate-up, down and the LM head) at load per output channel, symmetric, to int8
             with an fp32 scale per row, and runs them through the C++ kernel ``int8_gemm`` (weight-only, "W8A16":
             activations stay in ``dtype``; LLM.int8(), Dettmers et al. 2022, without its outlier columns): a decode
-            step reads half the weight bytes of bf16. Needs a CPU, the C++ kernels built with AVX-512, ``dtype``
+            step reads half the weight bytes of bf16. Needs a CPU, the C++ kernels built with AVX-512 (and
+            AVX512-BF16 for bfloat16), ``dtype``
             float32 or bfloat16, the compact decoder (``model_impl`` auto, a family of ``backend/models``) and the
             ``default`` model runner; else the engine refuses to start with the reason. vLLM's ``--quantization``
             flag (its CPU weight-only int8 is a pre-quantized checkpoint format, not a load-time option).
