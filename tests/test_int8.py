@@ -140,3 +140,17 @@ def test_int8_perplexity_of_the_real_model_within_one_percent_of_bf16():
     int8 = perplexity("int8", "bfloat16", windows)
     assert 1 < bf16 < 100
     assert abs(int8 - bf16) / bf16 < 0.01, f"int8 perplexity {int8:.4f}, bf16 {bf16:.4f}"
+
+
+def test_benchmark_passes_quantization_to_our_engine():
+    from benchmarks.__main__ import parse_args
+    from benchmarks.config import BenchConfig
+    from benchmarks.engine_system import engine_config
+
+    assert parse_args([]).quantization == "none"
+    config = parse_args(["--quantization", "int8", "--systems", "engine"])
+    assert engine_config(config).quantization == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "int4"])
+    with pytest.raises(ValueError, match="none or int8"):
+        BenchConfig(quantization="int4")
