@@ -38,6 +38,20 @@ def test_int8_gemm_equals_dequantized_matmul(dtype, n, k):
                 torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_rows_do_not_depend_on_the_batch(dtype):
+    # Each output's sum runs in one order whatever the row count (bf16 from 128 rows widens the weights once per
+    # group instead of per pass): a request's greedy tokens do not depend on what it is batched with.
+    torch.manual_seed(1)
+    weight = torch.randn(80, 1100) * 0.05  # K over one staged run of 512 pairs
+    packed = kernels.cpu.int8_gemm_pack(weight)
+    bias = torch.randn(80).to(dtype)
+    x = torch.randn(140, 1100).to(dtype)
+    batched = kernels.cpu.int8_gemm(x, packed, bias)
+    for i in (*range(13), 77, 139):
+        assert torch.equal(batched[i:i + 1], kernels.cpu.int8_gemm(x[i:i + 1], packed, bias)), f"row {i}"
+
+
 def test_int8_gemm_takes_prompt_rows_in_chunks():
     torch.manual_seed(0)
     weight = torch.randn(32, 64)

@@ -25,6 +25,11 @@ namespace {
 
 constexpr int64_t INT8_GEMM_MAX_ROWS = 256;  // rows one call takes (the Python side chunks longer prompts)
 constexpr int64_t INT8_SCALE_BYTES = 16 * sizeof(float);  // the 16 fp32 scales after each block's weights
+// bf16 activations of at least this many rows (prompt chunks) widen each group's weights once, into a per-thread
+// buffer of STAGED_PAIRS k pairs at a time (4 blocks: 128 KiB, in L2), instead of once per pass of 6 rows; below it
+// the buffer's extra writes and reads cost more than the conversions they save (measured on AVX512-BF16 Zen 4).
+constexpr int64_t STAGED_MIN_ROWS = 128;
+constexpr int64_t STAGED_PAIRS = 512;
 
 #if LLM_HAVE_AVX512
 // A k pair's 16 outputs of a block (32 int8 at w: output n's pair at bytes 2n, 2n + 1) widened to fp32:
@@ -101,6 +106,63 @@ inline void int8_block_bf16(const bf16* x, int64_t K, const int8_t* w, int64_t s
   for (int j = 0; j < NB; ++j) {
     const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
     for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c + m * 64 + 16 * j, _mm512_mul_ps(acc[m][j], scale));
+  }
+}
+
+// A run of `pairs` k pairs of NB blocks, already widened to bf16 (wb[j * pairs + p]), for rows x[0..MB) (rows K
+// apart, x at the run's first k): c[m * 64 + 16 * j + n] (fp32 sums, unscaled) += the run's products; `first`: start
+// from zero. Storing and reloading the fp32 sums between runs is exact, so the sums equal int8_block_bf16's.
+template <int MB, int NB>
+inline void staged_block_bf16(const bf16* x, int64_t K, const __m512bh* wb, int64_t pairs, float* c, bool first) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + m * 64 + 16 * j);
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = wb[j * pairs + p];
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + m * 64 + 16 * j, acc[m][j]);
+}
+#endif
+
+#if LLM_HAVE_AVX512_BF16
+// All M rows of bf16 x against a group of nbs (<= 4) blocks at w (blocks `stride` bytes apart): sums[m * 64 + 16 * j
+// + n] = scale_j[n] * sum_k x[m][k] q_j[n][k], bit-identical to int8_block_bf16's. Each run of STAGED_PAIRS k pairs
+// is widened to bf16 once into `staged`, then every pass of 6 rows reads it from there.
+inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int64_t stride, int64_t nbs,
+                         std::vector<__m512bh>& staged, float* sums) {
+  const int64_t M = x.size(0);
+  const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr());
+  for (int64_t p0 = 0; p0 < K / 2; p0 += STAGED_PAIRS) {
+    const int64_t pairs = std::min(STAGED_PAIRS, K / 2 - p0);
+    for (int64_t j = 0; j < nbs; ++j)
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m512 lo, hi;
+        widen_pair(w + j * stride + 32 * (p0 + p), lo, hi);
+        staged[j * pairs + p] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      with_rows(std::min<int64_t>(6, M - m0), [&](auto mb) {
+        constexpr int MB = decltype(mb)::value;
+        const bf16* xr = xs + m0 * K + 2 * p0;
+        float* c = sums + m0 * 64;
+        if (nbs == 4) staged_block_bf16<MB, 4>(xr, K, staged.data(), pairs, c, p0 == 0);
+        else for (int64_t j = 0; j < nbs; ++j)
+          staged_block_bf16<MB, 1>(xr, K, staged.data() + j * pairs, pairs, c + 16 * j, p0 == 0);
+      });
+    }
+  }
+  for (int64_t j = 0; j < nbs; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int64_t m = 0; m < M; ++m)
+      _mm512_storeu_ps(sums + m * 64 + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(sums + m * 64 + 16 * j), scale));
   }
 }
 #endif
@@ -201,6 +263,14 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
     alignas(64) float c[6 * 64];
+#if LLM_HAVE_AVX512_BF16
+    std::vector<__m512bh> staged;  // the group's widened weights, STAGED_PAIRS k pairs of each block
+    std::vector<__m512> sums;  // every row's scaled sums for the group, [M][64] fp32 (64-byte aligned rows)
+    if (bf16_x && M >= STAGED_MIN_ROWS) {
+      staged.resize(4 * std::min(STAGED_PAIRS, K / 2));
+      sums.resize(M * 4);
+    }
+#endif
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const int8_t* w = ws + nb0 * stride;
@@ -213,19 +283,25 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
         const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
         if (bf16_x) {
+          const float* sum = c;  // the pass's rows' scaled sums, 64 apart
 #if LLM_HAVE_AVX512_BF16
-          const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr()) + m0 * K;
-          with_rows(rows, [&](auto mb) {
-            constexpr int MB = decltype(mb)::value;
-            if (nbs == 4) int8_block_bf16<MB, 4>(xs, K, w, stride, c, pf, pf_lines);
-            else for (int64_t j = 0; j < nbs; ++j) int8_block_bf16<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
-          });
+          if (M >= STAGED_MIN_ROWS) {
+            if (m0 == 0) staged_group(x, K, w, stride, nbs, staged, reinterpret_cast<float*>(sums.data()));
+            sum = reinterpret_cast<const float*>(sums.data()) + m0 * 64;
+          } else {
+            const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr()) + m0 * K;
+            with_rows(rows, [&](auto mb) {
+              constexpr int MB = decltype(mb)::value;
+              if (nbs == 4) int8_block_bf16<MB, 4>(xs, K, w, stride, c, pf, pf_lines);
+              else for (int64_t j = 0; j < nbs; ++j) int8_block_bf16<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
+            });
+          }
 #endif
           bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
           const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t j = 0; j < nbs; ++j)
-              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, c + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
         } else {
           // Two blocks at a time: 2 accumulators per row and block (even and odd k) fill the registers.
           const float* xs = x.data_ptr<float>() + m0 * K;
