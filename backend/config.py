@@ -72,8 +72,9 @@ class EngineConfig:
             step reads half the weight bytes of bf16. Needs a CPU, the C++ kernels built with AVX-512 (and
             AVX512-BF16 for bfloat16), ``dtype``
             float32 or bfloat16, the compact decoder (``model_impl`` auto, a family of ``backend/models``) and the
-            ``default`` model runner; else the engine refuses to start with the reason. vLLM's ``--quantization``
-            flag (its CPU weight-only int8 is a pre-quantized checkpoint format, not a load-time option).
+            ``default`` model runner; else the engine refuses to start with the reason. The name is vLLM's
+            ``--quantization`` (there a checkpoint's method: INT8 W8A8, AWQ, GPTQ on x86 CPUs, quantized beforehand);
+            here an ordinary checkpoint is quantized at load, weights only.
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
