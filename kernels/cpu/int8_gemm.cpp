@@ -262,7 +262,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
-    alignas(64) float c[6 * 64];
+    alignas(64) float c[12 * 64];
 #if LLM_HAVE_AVX512_BF16
     std::vector<__m512bh> staged;  // the group's widened weights, STAGED_PAIRS k pairs of each block
     std::vector<__m512> sums;  // every row's scaled sums for the group, [M][64] fp32 (64-byte aligned rows)
@@ -271,15 +271,17 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
       sums.resize(M * 4);
     }
 #endif
+    // Rows per pass over a group: 12 for bf16 (2 blocks at a time), 6 for fp32 (4 blocks; 2 x 2 accumulators).
+    const int64_t step = bf16_x ? 12 : 6;
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const int8_t* w = ws + nb0 * stride;
       // The next group this thread likely takes, prefetched a share per pass of 6 rows (see small_gemm_vector).
-      const int64_t next = g + omp_get_num_threads(), passes = (M + 5) / 6;
+      const int64_t next = g + omp_get_num_threads(), passes = (M + step - 1) / step;
       const int64_t pf_total = passes >= 2 && next < groups ? std::min<int64_t>(4, NB - 4 * next) * stride / 64 : 0;
       const char* pf_base = reinterpret_cast<const char*>(ws + 4 * next * stride);
-      for (int64_t m0 = 0; m0 < M; m0 += 6) {
-        const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
+      for (int64_t m0 = 0; m0 < M; m0 += step) {
+        const int64_t rows = std::min<int64_t>(step, M - m0), pass = m0 / step;
         const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
         const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
         if (bf16_x) {
@@ -290,11 +292,22 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
             sum = reinterpret_cast<const float*>(sums.data()) + m0 * 64;
           } else {
             const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr()) + m0 * K;
-            with_rows(rows, [&](auto mb) {
-              constexpr int MB = decltype(mb)::value;
-              if (nbs == 4) int8_block_bf16<MB, 4>(xs, K, w, stride, c, pf, pf_lines);
-              else for (int64_t j = 0; j < nbs; ++j) int8_block_bf16<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
-            });
+            if (rows == 12) {  // 12 rows x 2 blocks: each widened weight vector serves 12 rows
+              for (int64_t j = 0; j < nbs; j += 2) {
+                if (j + 1 < nbs) int8_block_bf16<12, 2>(xs, K, w + j * stride, stride, c + 16 * j,
+                                                        j ? nullptr : pf, j ? 0 : pf_lines);
+                else int8_block_bf16<12, 1>(xs, K, w + j * stride, stride, c + 16 * j);
+              }
+            } else {
+              for (int64_t r0 = 0; r0 < rows; r0 += 6)
+                with_rows(std::min<int64_t>(6, rows - r0), [&](auto mb) {
+                  constexpr int MB = decltype(mb)::value;
+                  const bf16* xr = xs + r0 * K;
+                  float* cr = c + r0 * 64;
+                  if (nbs == 4) int8_block_bf16<MB, 4>(xr, K, w, stride, cr, r0 ? nullptr : pf, r0 ? 0 : pf_lines);
+                  else for (int64_t j = 0; j < nbs; ++j) int8_block_bf16<MB, 1>(xr, K, w + j * stride, stride, cr + 16 * j);
+                });
+            }
           }
 #endif
           bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
