@@ -6,9 +6,10 @@
 // The weights are packed at load into small_gemm's bf16 tile layout, one byte per weight: per block of 16 outputs,
 // K / 2 runs of 32 int8 (each output's two consecutive k), followed by the block's 16 fp32 scales (64 bytes), so a
 // thread streams a block's weights and then its scales in one run. In registers each run widens int8 -> int32 ->
-// fp32 (vpmovsxbd, vcvtdq2ps) and goes into small_gemm's register blocking (blocks of 16 outputs by up to 6 rows):
-// for bf16 activations it is rounded to bf16 (exact for |q| <= 127) and multiplied with AVX512-BF16's vdpbf16ps, 32
-// multiply-adds an instruction; for fp32 activations with fp32 multiply-adds. The sums are exact products of x and the
+// fp32 (vpmovsxbd, vcvtdq2ps) and goes into register blocks like small_gemm's: for bf16 activations it is rounded to
+// bf16 (exact for |q| <= 127) and multiplied with AVX512-BF16's vdpbf16ps, 32 multiply-adds an instruction, 12 rows
+// by 2 blocks of 16 outputs (each widened vector serves 12 rows: the widening costs about as much as the products);
+// for fp32 activations with fp32 multiply-adds, 6 rows by 2 blocks. The sums are exact products of x and the
 // integers, accumulated in fp32 and scaled once per output at the end; results are rounded to x's dtype once.
 #include "common.h"
 
