@@ -6,9 +6,10 @@ the engine in fp32, bf16 and bf16 + int8 weights, each window's tokens scored by
 and how many of :data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to bf16.
 
 ``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
-(QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, best of ``repeats`` in ms:
-``int8_gemm`` (bf16 activations) against ``small_gemm`` with bf16 and fp32 weights. A decode step of the model
-runs this once per layer.
+(QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
+``repeats``): ``int8_gemm`` (bf16 activations) against ``small_gemm`` with bf16 and fp32 weights. A decode step of
+the model runs this once per layer. Each timing runs through as many copies of the layer as make its int8 weights
+at least :data:`STREAMED_BYTES`, so that the weights stream from memory as in a whole step, not from the L3 cache.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ def greedy_agreement(max_tokens: int) -> tuple[int, int, list[int]]:
     return len(PROMPTS) - len(diverged), len(PROMPTS), sorted(diverged)
 
 
+STREAMED_BYTES = 128 << 20  # more than the L3 caches of the CPUs this runs on (32 MiB on the reference machine)
+
+
 def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float, float, float]]:
-    """Per row count: (rows, int8 ms, bf16 ms, fp32 ms) for one decoder layer's four GEMMs, best of ``repeats``."""
+    """Per row count: (rows, int8 ms, bf16 ms, fp32 ms) for one decoder layer's four GEMMs, best of ``repeats``
+    runs over enough copies of the layer to stream :data:`STREAMED_BYTES` of int8 weights, divided by the copies."""
     from benchmarks.shapes import COMMON, SHAPES
     from kernels import cpu
 
@@ -101,12 +106,13 @@ def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, 
               (hidden, inter)]
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=generator) * 0.02 for n, k in shapes]
-    packs = {"int8": [cpu.int8_gemm_pack(w) for w in weights],
-             "bf16": [cpu.small_gemm_pack(w.bfloat16()) for w in weights],
-             "fp32": [cpu.small_gemm_pack(w) for w in weights]}
+    copies = -(-STREAMED_BYTES // sum(n * k for n, k in shapes))
+    packs = {"int8": [cpu.int8_gemm_pack(w) for _ in range(copies) for w in weights],
+             "bf16": [cpu.small_gemm_pack(w.bfloat16()) for _ in range(copies) for w in weights],
+             "fp32": [cpu.small_gemm_pack(w) for _ in range(copies) for w in weights]}
     results = []
     for m in rows:
-        xs = [torch.randn(m, k, generator=generator) for _, k in shapes]
+        xs = [torch.randn(m, k, generator=generator) for _, k in shapes] * copies
         times = []
         for kind, gemm, dtype in (("int8", cpu.int8_gemm, torch.bfloat16), ("bf16", cpu.small_gemm, torch.bfloat16),
                                   ("fp32", cpu.small_gemm, torch.float32)):
@@ -121,7 +127,7 @@ def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, 
                 begin = time.perf_counter()
                 run()
                 best = min(best, time.perf_counter() - begin)
-            times.append(best * 1e3)
+            times.append(best * 1e3 / copies)
         results.append((m, *times))
     return results
 
