@@ -116,9 +116,14 @@ def _dequantized_reference(model_dir: str) -> ReferenceModel:
     return reference
 
 
-def test_int8_engine_equals_transformers_on_the_dequantized_weights(make_engine, tiny_model_dir):
-    reference = _dequantized_reference(tiny_model_dir)
-    engine = make_engine(tiny_model_dir, quantization="int8")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # Qwen2: QKV bias; Qwen3: q/k norms, the layer loop
+def test_int8_engine_equals_transformers_on_the_dequantized_weights(family, make_engine, tiny_model_dir, tmp_path,
+                                                                    tokenizer):
+    from conftest import build_tiny_model
+
+    model_dir = tiny_model_dir if family == "llama" else build_tiny_model(tmp_path / family, family, tokenizer)
+    reference = _dequantized_reference(model_dir)
+    engine = make_engine(model_dir, quantization="int8")
     prompts = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 3]
     sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                         request_id=str(i)) for i, p in enumerate(prompts)}
