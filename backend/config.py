@@ -68,6 +68,16 @@ class EngineConfig:
         structured_outputs_compile_timeout: seconds a constraint's grammar may take to compile; past it the
             request is refused (400) and so is the same constraint later, at once. The compile runs on a worker
             thread (``backend.structured_output.GrammarCompiler``), so the caller waits at most this long.
+        quantization: ``none`` (default) keeps the weights in ``dtype``; ``int8`` quantizes the compact decoder's
+            linear weights (QKV, O, gate-up, down and the LM head) at load per output channel, symmetric, to int8
+            with an fp32 scale per row, and runs them through the C++ kernel ``int8_gemm`` (weight-only, "W8A16":
+            activations stay in ``dtype``; LLM.int8(), Dettmers et al. 2022, without its outlier columns): a decode
+            step reads half the weight bytes of bf16. Needs a CPU, the C++ kernels built with AVX-512 (and
+            AVX512-BF16 for bfloat16), ``dtype``
+            float32 or bfloat16, the compact decoder (``model_impl`` auto, a family of ``backend/models``) and the
+            ``default`` model runner; else the engine refuses to start with the reason. The name is vLLM's
+            ``--quantization`` (there a checkpoint's method: INT8 W8A8, AWQ, GPTQ on x86 CPUs, quantized beforehand);
+            here an ordinary checkpoint is quantized at load, weights only.
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
@@ -103,6 +113,7 @@ class EngineConfig:
     kv_events_encoding: str = "map"
     cuda_graphs: str = "off"
     model_runner: str = "default"
+    quantization: str = "none"
     structured_outputs_max_schema_bytes: int = 64 * 1024
     structured_outputs_max_schema_depth: int = 32
     structured_outputs_max_schema_keywords: int = 2048
@@ -142,6 +153,20 @@ class EngineConfig:
                              "(attention_backend auto or triton, model_impl auto)")
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization != "none":
+            if not self.device.startswith("cpu"):
+                raise ValueError(f"quantization {self.quantization} is a CPU kernel, got device {self.device!r}")
+            if self.dtype == "float16":
+                raise ValueError(f"quantization {self.quantization} takes float32 or bfloat16 activations, "
+                                 "got dtype float16")
+            if self.model_impl != "auto":
+                raise ValueError(f"quantization {self.quantization} needs the compact decoder (model_impl auto), "
+                                 f"got model_impl {self.model_impl!r}")
+            if self.model_runner != "default":
+                raise ValueError(f"quantization {self.quantization} needs the default model runner, "
+                                 f"got {self.model_runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting_requests",
                      "max_num_waiting_tokens", "stream_interval", "max_n", "structured_outputs_max_schema_bytes",
                      "structured_outputs_max_schema_depth", "structured_outputs_max_schema_keywords"):

@@ -89,7 +89,8 @@ class EngineCore:
             self.model_runner = ZeroCostModelRunner(model.config.vocab_size)
         else:
             self.model_runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, attn_backend,
-                                            compact=config.model_impl == "auto", cpu_threads=cpu_threads)
+                                            compact=config.model_impl == "auto", cpu_threads=cpu_threads,
+                                            quantization=config.quantization)
             if config.cuda_graphs != "off":
                 self.model_runner.capture_decode_graphs(config.max_num_seqs, emulate=config.cuda_graphs == "emulate")
         self._cond = threading.Condition()

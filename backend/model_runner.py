@@ -56,17 +56,23 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, max_model_len: int,
                  attn_backend: type[AttentionBackend] = TorchSDPABackend, compact: bool = True,
-                 cpu_threads: list[int] | None = None) -> None:
+                 cpu_threads: list[int] | None = None, quantization: str = "none") -> None:
         """``attn_backend``: the selector's choice (:func:`backend.attention.select_attention_backend`); with
         ``uses_cpu_ops`` the compact decoder's layers run through ``kernels/cpu`` too. ``compact``: the compact
         decoder where the architecture allows (fused GEMMs, prepacked weights); else the unmodified transformers
-        model with paged attention plugged into its ``AttentionInterface``."""
+        model with paged attention plugged into its ``AttentionInterface``. ``quantization``: ``none`` or ``int8``
+        (the compact decoder's linears as int8 weights; needs ``compact``).
+
+        Raises:
+            ValueError: ``int8`` without the compact decoder, or where its kernel cannot run."""
         self.block_size = block_size
         self.attn_backend = attn_backend
         self.thread_binder = ThreadBinder(cpu_threads)  # pins the stepping thread's torch threads (CPU only)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.decoder = build_decoder(model, max_model_len, attn_backend.uses_cpu_ops) if compact else None
+        if quantization != "none" and not compact:
+            raise ValueError(f"quantization {quantization} needs the compact decoder (model_impl auto)")
+        self.decoder = build_decoder(model, max_model_len, attn_backend.uses_cpu_ops, quantization) if compact else None
         self.model = None if self.decoder is not None else model
         if self.model is not None:
             model.set_attn_implementation(ATTENTION_NAME)

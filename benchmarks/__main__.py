@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="run the systems this many times in turn; ratios per round and their median (default 1)")
     parser.add_argument("--served-offline-stream", action="store_true",
                         help="the server's offline run streams every token (default: whole answers, stream false)")
+    parser.add_argument("--quantization", choices=("none", "int8"),
+                        help="our engine's quantization (default none; int8: weight-only int8 linears)")
     parser.add_argument("--shape", help="a model shape with random weights instead of --model: "
                                         "smollm2-360m, smollm2-1.7b, llama-3b (benchmarks.shapes; written once)")
     parser.add_argument("--limits", action="store_true",
@@ -58,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
                   "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape",
-                  "llamacpp_quant"):
+                  "llamacpp_quant", "quantization"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

@@ -55,6 +55,8 @@ class BenchConfig:
         rounds: runs of every selected system, in turn (engine, vllm, engine, vllm, ...): a machine whose speed
             drifts between minutes (shared memory bandwidth) moves neighbouring runs together, so the reported
             ratios are each round's and their median.
+        quantization: our engine's and server's ``quantization`` (``none`` or ``int8``: weight-only int8 linears,
+            ``backend.config.EngineConfig``); the other systems run the model as loaded.
         shape: a model shape with random weights (``benchmarks.shapes``) instead of ``model``.
         limits: measure the machine's memory bandwidth and GEMM peak and report the model's bounds
             (``benchmarks.limits``); on by default with ``shape``.
@@ -89,6 +91,7 @@ class BenchConfig:
     stream_interval: int = 1
     served_offline_stream: bool = False
     rounds: int = 1
+    quantization: str = "none"
     shape: str | None = None
     limits: bool = False
     llamacpp_quant: str | None = None
@@ -112,6 +115,8 @@ class BenchConfig:
         if self.llamacpp_quant not in (None, *LLAMACPP_QUANTS):
             raise ValueError(f"llamacpp_quant must be one of {', '.join(LLAMACPP_QUANTS)} (or None), "
                              f"got {self.llamacpp_quant!r}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if not (0 < self.rate < math.inf):
             raise ValueError(f"rate must be a positive finite number of requests/s, got {self.rate}")
         for name in ("naive_max_requests", "static_max_requests", "online_max_requests"):

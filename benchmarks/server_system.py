@@ -57,7 +57,8 @@ class ServerSystem:
         if server is None:
             workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
             self.log_path = workdir / "tritonserver.log"
-            settings = {"dtype": config.dtype, "stream_interval": config.stream_interval}
+            settings = {"dtype": config.dtype, "stream_interval": config.stream_interval,
+                        "quantization": config.quantization}
             repository = copy_repository(workdir / "model_repository", {MODEL_VERSION: settings})
             try:
                 server = start_server(self.log_path, model_repository=repository)

@@ -5,6 +5,8 @@ the GEMMs. So, as in vLLM's and nano-vllm's model code: Q, K and V are one GEMM 
 the residual add happens inside the norm; rotary cos/sin are looked up once per step for all layers. On
 CPU the GEMMs run through oneDNN with weights reordered once at load ("prepacked", what inductor's
 freezing does for vLLM's CPU path), so that no step pays ``F.linear``'s reorder of the weights.
+With ``quantization="int8"`` a Linear keeps its weight as int8 per output channel instead (``cpu_ops.int8_gemm``,
+weight-only "W8A16"), half the bytes a decode step reads of bf16 weights.
 With ``cpu_kernels`` the norm, rotary and SwiGLU run as one C++ pass each (``kernels/cpu``; vLLM's CPU path
 fuses them too) instead of eager torch's chains of small operations; the torch code below is the same
 arithmetic, for other devices and machines without a compiler.
@@ -32,15 +34,39 @@ class Linear(torch.nn.Module):
             decode steps (at most 64 rows on AMX, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
             oneDNN here by streaming the weights in order (bf16 on AMX or AVX512-BF16, fp32 on AVX-512; ignored
             elsewhere); a second copy of the weight.
+        quantization: ``none``, or ``int8``: the weight is quantized per output channel, symmetric, to int8 with an
+            fp32 scale per row (:func:`kernels.cpu.int8_gemm_pack`) and kept only in that form; every GEMM, of
+            any number of rows, runs through ``cpu_ops.int8_gemm`` (``small_batch`` is then that packed weight,
+            ``small_batch_rows`` its row limit per call, ``weight`` None). Weight-only per-channel quantization
+            as in LLM.int8() (Dettmers et al. 2022, sec. 3.1), without its fp16 outlier columns.
+
+    Raises:
+        ValueError: ``int8`` where ``cpu_ops.int8_gemm`` cannot run (:func:`int8_unsupported_reason`: not a CPU
+            tensor, a build without AVX-512 / AVX512-BF16, an fp16 weight, a shape it does not take), or an unknown
+            ``quantization``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False,
+                 quantization: str = "none") -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.packed = _onednn_available(weight.device)
         self.small_batch = None  # the weight in the tile layout, when small_batch applies
         self.small_batch_rows = 0  # the most rows that go to it
+        self.quantization = quantization
+        if quantization == "int8":
+            reason = int8_unsupported_reason(weight)
+            if reason is not None:
+                raise ValueError(f"quantization int8 cannot run here: {reason}")
+            self.small_batch = cpu_ops.int8_gemm_pack(weight)
+            self.small_batch_rows = cpu_ops.int8_gemm_max_rows()
+            self.packed = False
+            self.register_buffer("weight", None, persistent=False)
+            self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
+            return
+        if quantization != "none":
+            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
         if self.packed and small_batch and _small_gemm_fits(weight):
             self.small_batch = cpu_ops.small_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
@@ -51,11 +77,32 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
+        if self.quantization == "int8":
+            return cpu_ops.int8_gemm(x, self.small_batch, self.bias)
         if 0 < x.shape[0] <= self.small_batch_rows:
             return cpu_ops.small_gemm(x, self.small_batch, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
+    """Why ``weight`` ``[out_features, in_features]`` cannot be quantized for ``cpu_ops.int8_gemm`` (None when it
+    can): its kernel needs a CPU, the C++ kernels built with AVX-512 (and AVX512-BF16 for bf16), fp32 or bf16
+    activations (the weight's dtype), out_features a multiple of 16 and in_features even."""
+    if weight.device.type != "cpu":
+        return f"the int8 GEMM is a CPU kernel, the weights are on {weight.device}"
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"the int8 GEMM takes float32 or bfloat16 activations, the model is {weight.dtype}"
+    if weight.shape[0] % 16 or weight.shape[1] % 2:
+        return f"the weight [{weight.shape[0]}, {weight.shape[1]}] needs out_features a multiple of 16 and " \
+               "in_features even"
+    if not cpu_ops.available():
+        return "the C++ CPU kernels (kernels/cpu) did not build on this machine"
+    if not cpu_ops.int8_gemm_available(weight.dtype):
+        needs = "AVX512-BF16" if weight.dtype == torch.bfloat16 else "AVX-512"
+        return f"the C++ CPU kernels were built without {needs} (needed for {weight.dtype} activations)"
+    return None
 
 
 def _small_gemm_fits(weight: torch.Tensor) -> bool:
@@ -64,7 +111,7 @@ def _small_gemm_fits(weight: torch.Tensor) -> bool:
     return cpu_ops.small_gemm_available(weight.dtype)
 
 
-def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False) -> Linear:
+def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False, quantization: str = "none") -> Linear:
     """One :class:`Linear` whose output is the concatenation of ``linears``' outputs (fused QKV, gate-up)."""
     weight = torch.cat([layer.weight for layer in linears], 0)
     biases = [layer.bias for layer in linears]
@@ -73,7 +120,7 @@ def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False) -> Linear
     else:
         bias = torch.cat([b if b is not None else weight.new_zeros(layer.weight.shape[0])
                           for b, layer in zip(biases, linears)])
-    return Linear(weight, bias, small_batch)
+    return Linear(weight, bias, small_batch, quantization)
 
 
 class RMSNorm(torch.nn.Module):

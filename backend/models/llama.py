@@ -46,8 +46,15 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
 
 
+# With quantization int8, whether the LM head is quantized too: it is read every decode step and is a fifth of
+# SmolLM2-135M's weights (a sixteenth of SmolLM2-1.7B's), and it adds less than a tenth of a percent to that model's
+# perplexity over the other linears' int8 (docs/configuration.md#quantization).
+QUANTIZE_LM_HEAD = True
+
+
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, hf_layer, config, layer_idx: int, cpu_kernels: bool, small_batch: bool = False) -> None:
+    def __init__(self, hf_layer, config, layer_idx: int, cpu_kernels: bool, small_batch: bool = False,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.cpu_kernels = cpu_kernels
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -56,14 +63,15 @@ class DecoderLayer(torch.nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = attn.scaling
-        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj, small_batch=small_batch)
-        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias, small_batch)
+        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj, small_batch=small_batch,
+                                     quantization=quantization)
+        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias, small_batch, quantization)
         self.q_norm = self.k_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
             self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon, cpu_kernels)
             self.k_norm = RMSNorm(attn.k_norm.weight, attn.k_norm.variance_epsilon, cpu_kernels)
-        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj, small_batch=small_batch)
-        self.down_proj = Linear(mlp.down_proj.weight, small_batch=small_batch)
+        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj, small_batch=small_batch, quantization=quantization)
+        self.down_proj = Linear(mlp.down_proj.weight, small_batch=small_batch, quantization=quantization)
         self.input_layernorm = RMSNorm(hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon,
                                        cpu_kernels)
         self.post_attention_layernorm = RMSNorm(hf_layer.post_attention_layernorm.weight,
@@ -97,24 +105,33 @@ class LlamaDecoder(torch.nn.Module):
 
     Built from a transformers ``*ForCausalLM`` of :data:`ARCHITECTURES` (check :func:`unsupported_reason`
     first); the transformers model can be dropped afterwards (its embedding table is shared, not copied).
+    ``quantization``: ``none``, or ``int8``: every layer's QKV, O, gate-up and down weights (and the LM head when
+    :data:`QUANTIZE_LM_HEAD`) are int8 per output channel (:class:`~backend.models.layers.Linear`).
+
+    Raises:
+        ValueError: ``int8`` where it cannot run (see :func:`backend.models.layers.int8_unsupported_reason`).
     """
 
-    def __init__(self, hf_model, max_model_len: int, cpu_kernels: bool = False) -> None:
+    def __init__(self, hf_model, max_model_len: int, cpu_kernels: bool = False, quantization: str = "none") -> None:
         super().__init__()
         config = hf_model.config
         inner = hf_model.model
         self.config = config
         self.embed_tokens = inner.embed_tokens
         weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-        small_batch = cpu_kernels and weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES
-        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch)
+        # int8 weights are packed for their own kernel only: no second copy in the tile layout.
+        small_batch = cpu_kernels and weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES and quantization == "none"
+        self.quantization = quantization
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch, quantization)
                                           for i, layer in enumerate(inner.layers))
         self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
         lm_bias = getattr(hf_model.lm_head, "bias", None)
-        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch)
+        head_quantization = quantization if QUANTIZE_LM_HEAD else "none"
+        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization)
         # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
         self.greedy_head = None
-        if self.lm_head.small_batch is not None and lm_bias is None and _greedy_head_fits(hf_model.lm_head.weight):
+        if (self.lm_head.small_batch is not None and self.lm_head.quantization == "none" and lm_bias is None
+                and _greedy_head_fits(hf_model.lm_head.weight)):
             self.greedy_head = GreedyHead(hf_model.lm_head.weight, max_rows=self.lm_head.small_batch_rows)
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
@@ -123,12 +140,12 @@ class LlamaDecoder(torch.nn.Module):
             cos, sin = inner.rotary_emb(torch.empty(0, dtype=dtype, device=device), positions)
         self.register_buffer("cos_cache", cos[0].contiguous(), persistent=False)  # [max_model_len, head_dim]
         self.register_buffer("sin_cache", sin[0].contiguous(), persistent=False)
-        # Decode steps that small_gemm takes (at most 64 rows on AMX, 256 elsewhere) run every layer in one C++
-        # call (cpu_ops.decode_layers) when every GEMM has its small-batch layout and the layers have nothing
-        # it leaves out (Qwen3's q/k norms).
+        # Decode steps that small_gemm takes (at most 64 rows on AMX, 256 elsewhere; int8_gemm: 256) run every layer
+        # in one C++ call (cpu_ops.decode_layers) when every GEMM has its small-batch layout (or is int8) and the
+        # layers have nothing it leaves out (Qwen3's q/k norms).
         layers = list(self.layers)
         self.decode_in_one_call = (
-            small_batch and all(layer.q_norm is None for layer in layers)
+            cpu_kernels and (small_batch or quantization == "int8") and all(layer.q_norm is None for layer in layers)
             and all(linear.small_batch is not None for layer in layers
                     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
             and len({norm.eps for layer in layers

@@ -6,6 +6,8 @@
   cached prefix and itself, reading the blocks in place too (16-token tiles shared by 16 query rows).
 - ``small_gemm``: decode-sized GEMMs (at most 64 rows on AMX tiles; 256 with AVX512-BF16 or AVX-512 multiply-adds
   without AMX), the weights streamed from a tile layout.
+- ``int8_gemm``: weight-only int8 GEMMs (W8A16: int8 weights per output channel with an fp32 scale, fp32 or bf16
+  activations) in small_gemm's register blocking, half the weight bytes of bf16 per step.
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
 - ``argmax_rows``: greedy picks read in the model's dtype (no fp32 copy of the logits).
 - ``greedy_head``: greedy picks from an fp32 LM head through a bf16 pass with a proven error bound, the exact fp32
@@ -39,8 +41,8 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", "greedy_head.cpp", "rms_norm.cpp",
-           "rotary.cpp", "activation.cpp", "threads.cpp", "argmax.cpp", "decoder_layers.cpp")
+SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", "int8_gemm.cpp", "greedy_head.cpp",
+           "rms_norm.cpp", "rotary.cpp", "activation.cpp", "threads.cpp", "argmax.cpp", "decoder_layers.cpp")
 # -fno-trapping-math lets loops that convert floats to integers (the exp below) vectorize; 512-bit vectors
 # (GCC prefers 256 on these CPUs) double the width of the elementwise kernels' loops.
 # -march: the machine that compiles (native), or LLM_CPU_KERNELS_MARCH when the build runs elsewhere than the server
@@ -48,7 +50,8 @@ SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", 
 CFLAGS = ["-O3", f"-march={os.environ.get('LLM_CPU_KERNELS_MARCH') or 'native'}", "-fno-trapping-math",
           "-mprefer-vector-width=512", "-fopenmp"]
 FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "small_gemm_available",
-             "small_gemm_max_rows", "small_gemm_pack", "small_gemm", "rms_norm", "fused_add_rms_norm",
+             "small_gemm_max_rows", "small_gemm_pack", "small_gemm", "int8_gemm_available", "int8_gemm_max_rows",
+             "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "rms_norm", "fused_add_rms_norm",
              "rotary_embedding", "silu_and_mul", "decode_layers",
              "bind_threads", "argmax_rows", "greedy_head_available", "greedy_head", "exit_when_orphaned"]
 
@@ -225,6 +228,71 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
+def int8_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`int8_gemm` runs here for activations of ``dtype``: the kernels built, with AVX-512 (fp32) and
+    AVX512-BF16 (bf16)."""
+    module = load()
+    return dtype in (torch.float32, torch.bfloat16) and module is not None \
+        and module.int8_gemm_available(dtype == torch.bfloat16)
+
+
+def int8_gemm_max_rows() -> int:
+    """The most rows one :func:`int8_gemm` call takes (256)."""
+    return _module().int8_gemm_max_rows()
+
+
+def int8_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """Quantizes ``weight`` ``[N, K]`` (fp32 or bf16, N a multiple of 16, K even) per output channel, symmetric, to
+    int8: ``q = round(w / scale)``, ``scale = max_k |w[n, k]| / 127`` in fp32 (LLM.int8()'s vector-wise
+    quantization, Dettmers et al. 2022, weights only). Returns int8 ``[N / 16, 16 K + 64]``: per block of 16
+    outputs, K / 2 runs of 16 outputs x 2 consecutive k (small_gemm's bf16 tile layout, one byte per weight), then
+    the 16 scales as fp32 bytes.
+
+    Raises:
+        RuntimeError: the extension could not be built, or the shape / dtype is not one of the above.
+    """
+    return _module().int8_gemm_pack(weight.contiguous())
+
+
+def int8_gemm_unpack(packed: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight :func:`int8_gemm_pack` stored, dequantized: ``[N, K]`` of ``dtype`` (fp32 or bf16, rounded once),
+    ``scale[n] * q[n, k]``.
+
+    Raises:
+        RuntimeError: the extension could not be built, or ``packed`` is not a packing of K = ``in_features``.
+    """
+    out = torch.empty(packed.shape[0] * 16, in_features, dtype=dtype)
+    _module().int8_gemm_unpack(out, packed)
+    return out
+
+
+def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
+    (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds); the fp32 sums
+    are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
+
+    Args:
+        x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
+            None; out: ``[M, N]`` contiguous of ``x``'s dtype to write into, or None for a new tensor.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once).
+
+    Raises:
+        RuntimeError: the kernel is unavailable for the dtype (:func:`int8_gemm_available`), or shapes / dtypes do
+            not match.
+    """
+    module = _module()
+    x = x.contiguous()
+    rows = module.int8_gemm_max_rows()
+    if out is None:
+        out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+    for begin in range(0, x.shape[0], rows):
+        module.int8_gemm(out[begin:begin + rows], x[begin:begin + rows], packed, bias)
+    return out
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """Stores each token's K and V rows at its slot of the paged pool (vLLM's ``reshape_and_cache``), in place.
@@ -321,7 +389,8 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
             seq_lens ``[rows]`` (context including the new token): int64, contiguous.
         layers: :data:`DECODE_LAYER_TENSORS` per layer: input norm weight, QKV packed (:func:`small_gemm_pack`),
             QKV bias (empty tensor: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
-            packed, down packed, key cache, value cache.
+            packed, down packed, key cache, value cache. A packed weight of dtype int8 (:func:`int8_gemm_pack`)
+            runs through :func:`int8_gemm`, 1 <= rows <= :func:`int8_gemm_max_rows`.
         eps: the norms' epsilon; scale: the attention's softmax scale.
 
     Returns:

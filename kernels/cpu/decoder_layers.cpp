@@ -1,5 +1,5 @@
 // The compact decoder's layers (backend/models/llama.py) for a decode step small_gemm takes (at most 64 rows on
-// AMX, 256 elsewhere: small_gemm_max_rows), in one call.
+// AMX, 256 elsewhere: small_gemm_max_rows; int8 weights: int8_gemm_max_rows), in one call.
 // A decode step on two cores runs ~12 kernels a layer, each a few hundred microseconds at such batches; driven
 // from Python, every call also pays the interpreter, argument parsing and an output allocation, ~360 calls a
 // step for SmolLM2's 30 layers. The same kernels in the same order from here; the results are bit-identical to the Python loop.
@@ -16,7 +16,7 @@ constexpr int64_t DECODE_LAYER_TENSORS = 10;
 // row's rotary tables); slot_mapping: [rows] int64; block_tables: [rows, max_blocks] int64; seq_lens: [rows] int64
 // (contexts with the new token). layers: DECODE_LAYER_TENSORS per layer: input norm weight, QKV packed by
 // small_gemm_pack, QKV bias (empty: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
-// packed, down packed, key cache, value cache. Returns (hidden, residual) after the last layer, as the Python loop
+// packed, down packed, key cache, value cache. A packed weight of dtype int8 (int8_gemm_pack) runs through int8_gemm. Returns (hidden, residual) after the last layer, as the Python loop
 // leaves them.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
@@ -31,7 +31,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, tor
   auto bias = [](const torch::Tensor& b) { return b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt; };
   auto gemm = [&](const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& b) {
     torch::Tensor out = torch::empty({x.size(0), packed.size(0) * 16}, x.options());
-    small_gemm(out, x, packed, b);
+    if (packed.scalar_type() == at::kChar) int8_gemm(out, x, packed, b);  // weights from int8_gemm_pack
+    else small_gemm(out, x, packed, b);
     return out;
   };
   torch::Tensor residual;

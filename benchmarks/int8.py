@@ -1,0 +1,165 @@
+"""Weight-only int8 (``quantization int8``): what it costs in quality and what it saves in time.
+
+``python -m benchmarks.int8 quality [--windows N] [--window-tokens T] [--max-tokens N]``: the perplexity of the
+default model (SmolLM2-135M-Instruct) on the benchmark's English corpus (``benchmarks.workload.corpus_text``) with
+the engine in fp32, bf16 and bf16 + int8 weights, each window's tokens scored by its own prefill (prompt logprobs),
+and how many of :data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to bf16.
+
+``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
+(QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
+``repeats``): ``int8_gemm`` (bf16 activations) against ``small_gemm`` with bf16 and fp32 weights. A decode step of
+the model runs this once per layer. Each timing runs through as many copies of the layer as make its int8 weights
+at least :data:`STREAMED_BYTES`, so that the weights stream from memory as in a whole step, not from the L3 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from backend import EngineConfig, LLMEngine, SamplingParams
+
+
+def perplexity(quantization: str, dtype: str, windows: list[list[int]]) -> float:
+    """exp of the mean negative log-likelihood of every window's tokens after its first, scored by the engine
+    (``dtype``, ``quantization``) as prompt logprobs; each window is its own request (no shared cache)."""
+    engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_blocks=1024,
+                                    enable_prefix_caching=False))
+    try:
+        total, count = 0.0, 0
+        for i, window in enumerate(windows):
+            sink = engine.add_request(window, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                                      request_id=f"w{i}")
+            while engine.has_unfinished_requests():
+                engine.step()
+            entries = None
+            while not sink.empty():
+                out = sink.get_nowait()
+                if out.prompt_logprobs is not None:
+                    entries = out.prompt_logprobs
+            for entry in entries[1:]:
+                total -= entry.logprob
+                count += 1
+        return math.exp(total / count)
+    finally:
+        engine.shutdown()
+
+
+def corpus_windows(num_windows: int, window_tokens: int) -> list[list[int]]:
+    """The first ``num_windows`` windows of ``window_tokens`` tokens of the benchmark corpus (default tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from backend.model_loader import resolve_model_dir
+    from benchmarks.workload import corpus_text
+
+    ids = AutoTokenizer.from_pretrained(resolve_model_dir(None))(corpus_text())["input_ids"]
+    if len(ids) < num_windows * window_tokens:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than {num_windows} x {window_tokens}")
+    return [ids[i * window_tokens:(i + 1) * window_tokens] for i in range(num_windows)]
+
+
+def greedy_agreement(max_tokens: int) -> tuple[int, int, list[int]]:
+    """(identical outputs, prompts, first divergent output index of each other one): int8 against bf16."""
+    from benchmarks.dtype_agreement import PROMPTS
+
+    outputs = []
+    for quantization in ("none", "int8"):
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization=quantization, num_blocks=2048))
+        try:
+            template = engine.tokenizer.apply_chat_template
+            sinks = [engine.add_request(template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=False), SamplingParams(max_tokens=max_tokens, temperature=0))
+                     for q in PROMPTS]
+            while engine.has_unfinished_requests():
+                engine.step()
+            runs = []
+            for sink in sinks:
+                ids = []
+                while not sink.empty():
+                    ids += sink.get_nowait().token_ids
+                runs.append(ids)
+            outputs.append(runs)
+        finally:
+            engine.shutdown()
+    diverged = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(*outputs) if a != b]
+    return len(PROMPTS) - len(diverged), len(PROMPTS), sorted(diverged)
+
+
+STREAMED_BYTES = 128 << 20  # more than the L3 caches of the CPUs this runs on (32 MiB on the reference machine)
+
+
+def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float, float, float]]:
+    """Per row count: (rows, int8 ms, bf16 ms, fp32 ms) for one decoder layer's four GEMMs, best of ``repeats``
+    runs over enough copies of the layer to stream :data:`STREAMED_BYTES` of int8 weights, divided by the copies."""
+    from benchmarks.shapes import COMMON, SHAPES
+    from kernels import cpu
+
+    s = {**COMMON, **SHAPES[shape]}
+    hidden, inter = s["hidden_size"], s["intermediate_size"]
+    heads, kv_heads = s["num_attention_heads"], s["num_key_value_heads"]
+    head_dim = s.get("head_dim", hidden // heads)
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
+              (hidden, inter)]
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=generator) * 0.02 for n, k in shapes]
+    copies = -(-STREAMED_BYTES // sum(n * k for n, k in shapes))
+    packs = {"int8": [cpu.int8_gemm_pack(w) for _ in range(copies) for w in weights],
+             "bf16": [cpu.small_gemm_pack(w.bfloat16()) for _ in range(copies) for w in weights],
+             "fp32": [cpu.small_gemm_pack(w) for _ in range(copies) for w in weights]}
+    results = []
+    for m in rows:
+        xs = [torch.randn(m, k, generator=generator) for _, k in shapes] * copies
+        times = []
+        for kind, gemm, dtype in (("int8", cpu.int8_gemm, torch.bfloat16), ("bf16", cpu.small_gemm, torch.bfloat16),
+                                  ("fp32", cpu.small_gemm, torch.float32)):
+            inputs = [x.to(dtype) for x in xs]
+
+            def run():
+                for x, packed in zip(inputs, packs[kind]):
+                    gemm(x, packed)
+            run()
+            best = math.inf
+            for _ in range(repeats):
+                begin = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - begin)
+            times.append(best * 1e3 / copies)
+        results.append((m, *times))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.int8", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    quality = sub.add_parser("quality", help="perplexity fp32 / bf16 / int8 and greedy agreement")
+    quality.add_argument("--windows", type=int, default=8, help="corpus windows scored (default 8)")
+    quality.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default 512)")
+    quality.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt (default 48)")
+    gemm = sub.add_parser("gemm", help="one decoder layer's GEMMs: int8 vs bf16 vs fp32 weights")
+    gemm.add_argument("--shape", default="smollm2-1.7b", help="a shape of benchmarks.shapes (default smollm2-1.7b)")
+    gemm.add_argument("--rows", default="1,4,16,64", help="comma-separated row counts (default 1,4,16,64)")
+    gemm.add_argument("--repeats", type=int, default=5, help="timed runs, the best kept (default 5)")
+    args = parser.parse_args(argv)
+    if args.command == "quality":
+        windows = corpus_windows(args.windows, args.window_tokens)
+        for label, dtype, quantization in (("fp32", "float32", "none"), ("bf16", "bfloat16", "none"),
+                                           ("bf16 + int8 weights", "bfloat16", "int8"),
+                                           ("fp32 + int8 weights", "float32", "int8")):
+            print(f"perplexity {label}: {perplexity(quantization, dtype, windows):.4f}")
+        same, total, diverged = greedy_agreement(args.max_tokens)
+        print(f"greedy int8 vs bf16: identical {same} of {total}; first divergence at output tokens {diverged}")
+    else:
+        rows = [int(r) for r in args.rows.split(",") if r.strip()]
+        print(f"one layer of {args.shape}, ms (best of {args.repeats}, {torch.get_num_threads()} threads)")
+        print("rows  int8   bf16   fp32")
+        for m, int8_ms, bf16_ms, fp32_ms in layer_gemm_ms(args.shape, rows, args.repeats):
+            print(f"{m:4d} {int8_ms:6.2f} {bf16_ms:6.2f} {fp32_ms:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+// Weight-only int8 GEMMs ("W8A16"): y = x · dequant(W)^T + bias with W stored as int8 per output channel, symmetric
+// (w[n][k] = scale[n] * q[n][k], q in [-127, 127]), for the rows of decode steps and, chunk by chunk, prompts.
+// A decode step of a 0.5-3B model is bound by reading its weights (small_gemm.cpp): int8 weights are half the bytes
+// of bf16, so the step reads half as much. The idea is weight-only per-channel quantization as in LLM.int8()
+// (Dettmers et al., NeurIPS 2022, sec. 3.1, vector-wise quantization) and the W8A16 paths of vLLM and TensorRT-LLM.
+// The weights are packed at load into small_gemm's bf16 tile layout, one byte per weight: per block of 16 outputs,
+// K / 2 runs of 32 int8 (each output's two consecutive k), followed by the block's 16 fp32 scales (64 bytes), so a
+// thread streams a block's weights and then its scales in one run. In registers each run widens int8 -> int32 ->
+// fp32 (vpmovsxbd, vcvtdq2ps) and goes into register blocks like small_gemm's: for bf16 activations it is rounded to
+// bf16 (exact for |q| <= 127) and multiplied with AVX512-BF16's vdpbf16ps, 32 multiply-adds an instruction, 12 rows
+// by 2 blocks of 16 outputs (each widened vector serves 12 rows: the widening costs about as much as the products);
+// for fp32 activations with fp32 multiply-adds, 6 rows by 2 blocks. The sums are exact products of x and the
+// integers, accumulated in fp32 and scaled once per output at the end; results are rounded to x's dtype once.
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <atomic>
+#include <type_traits>
+#include <vector>
+
+namespace llm_cpu {
+namespace {
+
+constexpr int64_t INT8_GEMM_MAX_ROWS = 256;  // rows one call takes (the Python side chunks longer prompts)
+constexpr int64_t INT8_SCALE_BYTES = 16 * sizeof(float);  // the 16 fp32 scales after each block's weights
+// bf16 activations of at least this many rows (prompt chunks) widen each group's weights once, into a per-thread
+// buffer of STAGED_PAIRS k pairs at a time (4 blocks: 128 KiB, in L2), instead of once per pass of 6 rows; below it
+// the buffer's extra writes and reads cost more than the conversions they save (measured on AVX512-BF16 Zen 4).
+constexpr int64_t STAGED_MIN_ROWS = 128;
+constexpr int64_t STAGED_PAIRS = 512;
+
+#if LLM_HAVE_AVX512
+// A k pair's 16 outputs of a block (32 int8 at w: output n's pair at bytes 2n, 2n + 1) widened to fp32:
+// lo = outputs 0..7, hi = outputs 8..15, each lane pair (k even, k odd).
+inline void widen_pair(const int8_t* w, __m512& lo, __m512& hi) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+}
+
+// fp32 rows x[0..MB) against NB consecutive int8 blocks (block j at w + j * stride bytes: K / 2 pairs of 32 int8,
+// then 16 fp32 scales): c[m * 64 + 16 * j + n] = scale_j[n] * sum_k x[m][k] q_j[n][k]. Each lane sums one output's
+// even or odd k (the row's pair broadcast); the two are added at the end.
+template <int MB, int NB>
+inline void int8_block_fp32(const float* x, int64_t K, const int8_t* w, int64_t stride, float* c,
+                            const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
+  __m512 acc[MB][NB][2];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch_share(pf, pf_lines, pf_step, p);
+    __m512 wv[NB][2];
+    for (int j = 0; j < NB; ++j) widen_pair(w + j * stride + 32 * p, wv[j][0], wv[j][1]);
+    for (int m = 0; m < MB; ++m) {
+      int64_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+      const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi64(pair));
+      for (int j = 0; j < NB; ++j) {
+        acc[m][j][0] = _mm512_fmadd_ps(xv, wv[j][0], acc[m][j][0]);
+        acc[m][j][1] = _mm512_fmadd_ps(xv, wv[j][1], acc[m][j][1]);
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int j = 0; j < NB; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][j][0], even, acc[m][j][1]),
+                                       _mm512_permutex2var_ps(acc[m][j][0], odd, acc[m][j][1]));
+      _mm512_storeu_ps(c + m * 64 + 16 * j, _mm512_mul_ps(sum, scale));
+    }
+  }
+}
+#endif
+
+#if LLM_HAVE_AVX512_BF16
+// bf16 rows: as int8_block_fp32, but each k pair's weights are rounded to bf16 (exact: |q| <= 127 needs 7 bits) and
+// multiplied with vdpbf16ps (16 outputs x 2 k per instruction, small_gemm's bf16 layout), twice the multiply-adds
+// per instruction of fp32; the products are exact and summed in fp32.
+template <int MB, int NB>
+inline void int8_block_bf16(const bf16* x, int64_t K, const int8_t* w, int64_t stride, float* c,
+                            const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch_share(pf, pf_lines, pf_step, p);
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      __m512 lo, hi;
+      widen_pair(w + j * stride + 32 * p, lo, hi);
+      wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+    }
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c + m * 64 + 16 * j, _mm512_mul_ps(acc[m][j], scale));
+  }
+}
+
+// A run of `pairs` k pairs of NB blocks, already widened to bf16 (wb[j * pairs + p]), for rows x[0..MB) (rows K
+// apart, x at the run's first k): c[m * 64 + 16 * j + n] (fp32 sums, unscaled) += the run's products; `first`: start
+// from zero. Storing and reloading the fp32 sums between runs is exact, so the sums equal int8_block_bf16's.
+template <int MB, int NB>
+inline void staged_block_bf16(const bf16* x, int64_t K, const __m512bh* wb, int64_t pairs, float* c, bool first) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + m * 64 + 16 * j);
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = wb[j * pairs + p];
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + m * 64 + 16 * j, acc[m][j]);
+}
+#endif
+
+#if LLM_HAVE_AVX512_BF16
+// All M rows of bf16 x against a group of nbs (<= 4) blocks at w (blocks `stride` bytes apart): sums[m * 64 + 16 * j
+// + n] = scale_j[n] * sum_k x[m][k] q_j[n][k], bit-identical to int8_block_bf16's. Each run of STAGED_PAIRS k pairs
+// is widened to bf16 once into `staged`, then every pass of 6 rows reads it from there.
+inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int64_t stride, int64_t nbs,
+                         std::vector<__m512bh>& staged, float* sums) {
+  const int64_t M = x.size(0);
+  const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr());
+  for (int64_t p0 = 0; p0 < K / 2; p0 += STAGED_PAIRS) {
+    const int64_t pairs = std::min(STAGED_PAIRS, K / 2 - p0);
+    for (int64_t j = 0; j < nbs; ++j)
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m512 lo, hi;
+        widen_pair(w + j * stride + 32 * (p0 + p), lo, hi);
+        staged[j * pairs + p] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+    for (int64_t m0 = 0; m0 < M; m0 += 6) {
+      with_rows(std::min<int64_t>(6, M - m0), [&](auto mb) {
+        constexpr int MB = decltype(mb)::value;
+        const bf16* xr = xs + m0 * K + 2 * p0;
+        float* c = sums + m0 * 64;
+        if (nbs == 4) staged_block_bf16<MB, 4>(xr, K, staged.data(), pairs, c, p0 == 0);
+        else for (int64_t j = 0; j < nbs; ++j)
+          staged_block_bf16<MB, 1>(xr, K, staged.data() + j * pairs, pairs, c + 16 * j, p0 == 0);
+      });
+    }
+  }
+  for (int64_t j = 0; j < nbs; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int64_t m = 0; m < M; ++m)
+      _mm512_storeu_ps(sums + m * 64 + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(sums + m * 64 + 16 * j), scale));
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace llm_cpu
+
+// Whether this build runs int8_gemm: AVX-512 for fp32 activations; bf16 activations also need AVX512-BF16.
+bool int8_gemm_available(bool bf16) { return bf16 ? LLM_HAVE_AVX512_BF16 : LLM_HAVE_AVX512; }
+
+// The most rows one int8_gemm call takes.
+int64_t int8_gemm_max_rows() { return llm_cpu::INT8_GEMM_MAX_ROWS; }
+
+// weight [N, K] fp32 or bf16, N % 16 == 0, K even -> int8 [N / 16, 16 * K + 64]: per block of 16 outputs, for each
+// pair of consecutive k the 16 outputs' two int8 values q = round(w / scale) (|q| <= 127, ties away from zero),
+// output-major (small_gemm's bf16 tile layout, one byte per weight), then the 16 fp32 scales
+// max_k |w[n][k]| / 127 (1 for an all-zero row) as raw bytes. Returns the packed tensor.
+torch::Tensor int8_gemm_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16)
+              && weight.size(0) % 16 == 0 && weight.size(1) >= 2 && weight.size(1) % 2 == 0,
+              "int8_gemm_pack: fp32 or bf16 [N, K], N % 16 == 0, K even");
+  const int64_t N = weight.size(0), K = weight.size(1), NB = N / 16, stride = 16 * K + llm_cpu::INT8_SCALE_BYTES;
+  torch::Tensor w = weight.to(at::kFloat).contiguous();
+  torch::Tensor packed = torch::empty({NB, stride}, weight.options().dtype(at::kChar));
+  const float* ws = w.data_ptr<float>();
+  int8_t* ps = packed.data_ptr<int8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      int8_t* block = ps + nb * stride;
+      float scales[16];
+      for (int64_t n = 0; n < 16; ++n) {
+        const float* row = ws + (nb * 16 + n) * K;
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+        scales[n] = amax > 0.f ? amax / 127.f : 1.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const float q = std::round(row[k] / scales[n]);
+          block[32 * (k / 2) + 2 * n + k % 2] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+        }
+      }
+      std::memcpy(block + 16 * K, scales, sizeof(scales));
+    }
+  });
+  return packed;
+}
+
+// The weight int8_gemm_pack stored, dequantized into `out` [N, K] (fp32 or bf16, rounded once): scale[n] * q[n][k].
+// The reference int8_gemm computes against, and the weights of prompt-sized GEMMs (dequantized per call, then a
+// oneDNN GEMM).
+void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
+  const int64_t K = out.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
+              && packed.size(1) == 16 * K + llm_cpu::INT8_SCALE_BYTES, "int8_gemm_unpack: packed [N / 16, 16 K + 64]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == packed.size(0) * 16
+              && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "int8_gemm_unpack: out fp32 or bf16 [N, K] contiguous");
+  const int64_t NB = packed.size(0), stride = packed.size(1);
+  const int8_t* ps = packed.data_ptr<int8_t>();
+  llm_cpu::dispatch_float_types(out.scalar_type(), "int8_gemm_unpack", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* ws = reinterpret_cast<T*>(out.data_ptr());
+    at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const int8_t* block = ps + nb * stride;
+        float scales[16];
+        std::memcpy(scales, block + 16 * K, sizeof(scales));
+        for (int64_t n = 0; n < 16; ++n)
+          for (int64_t k = 0; k < K; ++k)
+            ws[(nb * 16 + n) * K + k] =
+                llm_cpu::from_float<T>(scales[n] * static_cast<float>(block[32 * (k / 2) + 2 * n + k % 2]));
+      }
+    });
+  });
+}
+
+// out [M, N] = x [M, K] · dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
+// 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
+// (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time.
+void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  using namespace llm_cpu;
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ", bf16_x ? "AVX512-BF16" : "AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
+              && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
+              ", K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
+              && packed.size(1) == 16 * K + INT8_SCALE_BYTES, "int8_gemm: packed int8 [N / 16, 16 K + 64] for K = ", K);
+  const int64_t NB = packed.size(0), N = NB * 16, stride = packed.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N
+              && out.scalar_type() == x.scalar_type(), "int8_gemm: out [M, N] contiguous, x's dtype");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
+              "int8_gemm: bias [N] of x's dtype");
+#if LLM_HAVE_AVX512
+  const int8_t* ws = packed.data_ptr<int8_t>();
+  const int64_t groups = (NB + 3) / 4;
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
+  {
+    alignas(64) float c[12 * 64];
+#if LLM_HAVE_AVX512_BF16
+    std::vector<__m512bh> staged;  // the group's widened weights, STAGED_PAIRS k pairs of each block
+    std::vector<__m512> sums;  // every row's scaled sums for the group, [M][64] fp32 (64-byte aligned rows)
+    if (bf16_x && M >= STAGED_MIN_ROWS) {
+      staged.resize(4 * std::min(STAGED_PAIRS, K / 2));
+      sums.resize(M * 4);
+    }
+#endif
+    // Rows per pass over a group: 12 for bf16 (2 blocks at a time), 6 for fp32 (4 blocks; 2 x 2 accumulators).
+    const int64_t step = bf16_x ? 12 : 6;
+    for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
+      const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
+      const int8_t* w = ws + nb0 * stride;
+      // The next group this thread likely takes, prefetched a share per pass of 6 rows (see small_gemm_vector).
+      const int64_t next = g + omp_get_num_threads(), passes = (M + step - 1) / step;
+      const int64_t pf_total = passes >= 2 && next < groups ? std::min<int64_t>(4, NB - 4 * next) * stride / 64 : 0;
+      const char* pf_base = reinterpret_cast<const char*>(ws + 4 * next * stride);
+      for (int64_t m0 = 0; m0 < M; m0 += step) {
+        const int64_t rows = std::min<int64_t>(step, M - m0), pass = m0 / step;
+        const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
+        const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
+        if (bf16_x) {
+          const float* sum = c;  // the pass's rows' scaled sums, 64 apart
+#if LLM_HAVE_AVX512_BF16
+          if (M >= STAGED_MIN_ROWS) {
+            if (m0 == 0) staged_group(x, K, w, stride, nbs, staged, reinterpret_cast<float*>(sums.data()));
+            sum = reinterpret_cast<const float*>(sums.data()) + m0 * 64;
+          } else {
+            const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr()) + m0 * K;
+            if (rows == 12) {  // 12 rows x 2 blocks: each widened weight vector serves 12 rows
+              for (int64_t j = 0; j < nbs; j += 2) {
+                if (j + 1 < nbs) int8_block_bf16<12, 2>(xs, K, w + j * stride, stride, c + 16 * j,
+                                                        j ? nullptr : pf, j ? 0 : pf_lines);
+                else int8_block_bf16<12, 1>(xs, K, w + j * stride, stride, c + 16 * j);
+              }
+            } else {
+              for (int64_t r0 = 0; r0 < rows; r0 += 6)
+                with_rows(std::min<int64_t>(6, rows - r0), [&](auto mb) {
+                  constexpr int MB = decltype(mb)::value;
+                  const bf16* xr = xs + r0 * K;
+                  float* cr = c + r0 * 64;
+                  if (nbs == 4) int8_block_bf16<MB, 4>(xr, K, w, stride, cr, r0 ? nullptr : pf, r0 ? 0 : pf_lines);
+                  else for (int64_t j = 0; j < nbs; ++j) int8_block_bf16<MB, 1>(xr, K, w + j * stride, stride, cr + 16 * j);
+                });
+            }
+          }
+#endif
+          bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
+          const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t j = 0; j < nbs; ++j)
+              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+        } else {
+          // Two blocks at a time: 2 accumulators per row and block (even and odd k) fill the registers.
+          const float* xs = x.data_ptr<float>() + m0 * K;
+          with_rows(rows, [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            for (int64_t j = 0; j < nbs; j += 2) {
+              if (j + 1 < nbs) int8_block_fp32<MB, 2>(xs, K, w + j * stride, stride, c + 16 * j,
+                                                      j ? nullptr : pf, j ? 0 : pf_lines);
+              else int8_block_fp32<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
+            }
+          });
+          float* ys = out.data_ptr<float>();
+          const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < 16 * nbs; ++n)
+              ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+        }
+      }
+    }
+  }
+#endif
+}

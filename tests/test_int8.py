@@ -1,0 +1,175 @@
+"""Weight-only int8 (``quantization int8``): the kernel equals a matmul with the dequantized weights, the engine
+equals transformers running those same dequantized weights, decodes identically in one C++ call and in the Python
+loop, costs the real model under 1% of bf16's perplexity, and is refused with the reason where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.cpu
+from backend import EngineConfig, SamplingParams
+from backend.models.layers import Linear
+from conftest import ReferenceModel, assert_matches_reference, run_to_completion
+
+pytestmark = pytest.mark.skipif(not kernels.cpu.int8_gemm_available(torch.bfloat16),
+                                reason="kernels/cpu without AVX-512 and AVX512-BF16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(16, 2), (48, 130), (80, 1000)])
+def test_int8_gemm_equals_dequantized_matmul(dtype, n, k):
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k) * 0.05
+    packed = kernels.cpu.int8_gemm_pack(weight)
+    dequantized = kernels.cpu.int8_gemm_unpack(packed, k)
+    # Per-channel symmetric quantization: each weight within half a step (scale / 2) of the original.
+    step = weight.abs().amax(1, keepdim=True) / 127
+    assert ((dequantized - weight).abs() <= step / 2 + 1e-7).all()
+    for m in (1, 2, 5, 6, 7, 13, 64):
+        x = torch.randn(m, k).to(dtype)
+        for bias in (None, torch.randn(n).to(dtype)):
+            want = x.double() @ dequantized.double().T + (0 if bias is None else bias.double())
+            got = kernels.cpu.int8_gemm(x, packed, bias)
+            assert got.dtype == dtype and got.shape == (m, n)
+            if dtype == torch.float32:  # fp32 sums in another order: rounding of K terms
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            else:  # the fp32 result rounded once to bf16
+                torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_rows_do_not_depend_on_the_batch(dtype):
+    # Each output's sum runs in one order whatever the row count (bf16 from 128 rows widens the weights once per
+    # group instead of per pass): a request's greedy tokens do not depend on what it is batched with.
+    torch.manual_seed(1)
+    weight = torch.randn(80, 1100) * 0.05  # K over one staged run of 512 pairs
+    packed = kernels.cpu.int8_gemm_pack(weight)
+    bias = torch.randn(80).to(dtype)
+    x = torch.randn(140, 1100).to(dtype)
+    batched = kernels.cpu.int8_gemm(x, packed, bias)
+    for i in (*range(13), 77, 139):
+        assert torch.equal(batched[i:i + 1], kernels.cpu.int8_gemm(x[i:i + 1], packed, bias)), f"row {i}"
+
+
+def test_int8_gemm_takes_prompt_rows_in_chunks():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    packed = kernels.cpu.int8_gemm_pack(weight)
+    x = torch.randn(600, 64)  # more than int8_gemm_max_rows: three calls
+    want = x.double() @ kernels.cpu.int8_gemm_unpack(packed, 64).double().T
+    torch.testing.assert_close(kernels.cpu.int8_gemm(x, packed).double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_gemm_unpack_bf16_rounds_the_fp32_values():
+    weight = torch.randn(32, 40)
+    packed = kernels.cpu.int8_gemm_pack(weight)
+    assert torch.equal(kernels.cpu.int8_gemm_unpack(packed, 40, torch.bfloat16),
+                       kernels.cpu.int8_gemm_unpack(packed, 40).bfloat16())
+
+
+def test_int8_linear_refuses_what_the_kernel_cannot_run():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        Linear(torch.randn(32, 16, dtype=torch.float16), quantization="int8")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Linear(torch.randn(40, 16), quantization="int8")
+    with pytest.raises(ValueError, match="in_features even"):
+        Linear(torch.randn(32, 15), quantization="int8")
+    with pytest.raises(ValueError, match="none or int8"):
+        Linear(torch.randn(32, 16), quantization="int4")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(quantization="int4"), "none or int8"),
+    (dict(quantization="int8", device="cuda"), "CPU kernel"),
+    (dict(quantization="int8", dtype="float16"), "float32 or bfloat16"),
+    (dict(quantization="int8", model_impl="transformers"), "compact decoder"),
+    (dict(quantization="int8", model_runner="zero_cost"), "default model runner"),
+])
+def test_engine_config_refuses_int8_where_it_cannot_run(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_int8_for_a_model_the_compact_decoder_cannot_run_is_refused(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from backend.models import build_decoder
+    from conftest import build_tiny_model
+
+    directory = build_tiny_model(tmp_path / "mistral", "mistral", tokenizer, sliding_window=16)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert build_decoder(hf_model, 1024) is None  # unquantized: transformers' modules run it
+    with pytest.raises(ValueError, match="needs the compact decoder.*sliding window"):
+        build_decoder(hf_model, 1024, quantization="int8")
+
+
+def _dequantized_reference(model_dir: str) -> ReferenceModel:
+    """transformers' model with every linear weight the engine quantizes replaced by its dequantized int8 value
+    (QKV and gate-up quantized row by row, as the fused weights are: per output channel, the same scales)."""
+    reference = ReferenceModel(model_dir)
+    with torch.no_grad():
+        for module in reference.model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.shape[0] % 16 == 0:
+                w = module.weight
+                module.weight.copy_(kernels.cpu.int8_gemm_unpack(kernels.cpu.int8_gemm_pack(w), w.shape[1]))
+    return reference
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # Qwen2: QKV bias; Qwen3: q/k norms, the layer loop
+def test_int8_engine_equals_transformers_on_the_dequantized_weights(family, make_engine, tiny_model_dir, tmp_path,
+                                                                    tokenizer):
+    from conftest import build_tiny_model
+
+    model_dir = tiny_model_dir if family == "llama" else build_tiny_model(tmp_path / family, family, tokenizer)
+    reference = _dequantized_reference(model_dir)
+    engine = make_engine(model_dir, quantization="int8")
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 3]
+    sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                        request_id=str(i)) for i, p in enumerate(prompts)}
+    outs = run_to_completion(engine, sinks)
+    for i, prompt in enumerate(prompts):
+        got = [t for o in outs[str(i)] for t in o.token_ids]
+        want, logits = reference.greedy(prompt, 12)
+        assert_matches_reference(got, want, logits, f"prompt {i}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_decode_in_one_call_equals_the_layer_loop(make_engine, tiny_model_dir, dtype):
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 3, list(range(300, 317))]
+    results = []
+    for in_one_call in (True, False):
+        engine = make_engine(tiny_model_dir, quantization="int8", dtype=dtype)
+        decoder = engine.engine_core.model_runner.decoder
+        assert decoder.decode_in_one_call
+        decoder.decode_in_one_call = in_one_call
+        sinks = {str(i): engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                                            request_id=str(i)) for i, p in enumerate(prompts)}
+        outs = run_to_completion(engine, sinks)
+        results.append([[t for o in outs[str(i)] for t in o.token_ids] for i in range(len(prompts))])
+    assert results[0] == results[1]
+
+
+@pytest.mark.real_model
+def test_int8_perplexity_of_the_real_model_within_one_percent_of_bf16():
+    from benchmarks.int8 import corpus_windows, perplexity
+
+    windows = corpus_windows(2, 256)
+    bf16 = perplexity("none", "bfloat16", windows)
+    int8 = perplexity("int8", "bfloat16", windows)
+    assert 1 < bf16 < 100
+    assert abs(int8 - bf16) / bf16 < 0.01, f"int8 perplexity {int8:.4f}, bf16 {bf16:.4f}"
+
+
+def test_benchmark_passes_quantization_to_our_engine():
+    from benchmarks.__main__ import parse_args
+    from benchmarks.config import BenchConfig
+    from benchmarks.engine_system import engine_config
+
+    assert parse_args([]).quantization == "none"
+    config = parse_args(["--quantization", "int8", "--systems", "engine"])
+    assert engine_config(config).quantization == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "int4"])
+    with pytest.raises(ValueError, match="none or int8"):
+        BenchConfig(quantization="int4")
