@@ -59,7 +59,7 @@ FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "s
 def _translation_unit() -> str:
     """All sources as one translation unit (one parse of torch's headers: half the compile time of five), with
     ``common.h`` inlined so that editing it changes the text torch hashes to decide on a rebuild."""
-    parts = [(HERE / name).read_text() for name in SOURCES]
+    parts = [(HERE / name).read_text(encoding="utf-8") for name in SOURCES]
     return "\n".join(part.replace('#include "common.h"', "") for part in parts)
 
 

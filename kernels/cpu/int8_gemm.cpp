@@ -1,4 +1,4 @@
-// Weight-only int8 GEMMs ("W8A16"): y = x · dequant(W)^T + bias with W stored as int8 per output channel, symmetric
+// Weight-only int8 GEMMs ("W8A16"): y = x * dequant(W)^T + bias with W stored as int8 per output channel, symmetric
 // (w[n][k] = scale[n] * q[n][k], q in [-127, 127]), for the rows of decode steps and, chunk by chunk, prompts.
 // A decode step of a 0.5-3B model is bound by reading its weights (small_gemm.cpp): int8 weights are half the bytes
 // of bf16, so the step reads half as much. The idea is weight-only per-channel quantization as in LLM.int8()
@@ -239,7 +239,7 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
   });
 }
 
-// out [M, N] = x [M, K] · dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
+// out [M, N] = x [M, K] * dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
 // 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
 // (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time.
 void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {

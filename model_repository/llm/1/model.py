@@ -74,7 +74,7 @@ class TritonPythonModel:
         settings = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         overrides = Path(args["model_repository"]) / args["model_version"] / "engine.json"
         if overrides.exists():
-            settings.update(json.loads(overrides.read_text()))
+            settings.update(json.loads(overrides.read_text(encoding="utf-8")))
         metric_options = pop_metric_settings(settings)
         drain_grace_s = pop_grace(settings)
         self.engine = LLMEngine(EngineConfig.from_dict(settings))
