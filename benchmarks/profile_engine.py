@@ -70,15 +70,18 @@ def _breakdown(stats: pstats.Stats) -> dict:
     step = _find(stats, "backend/llm_engine.py", "step")
     total = _cumulative(stats, step)
     execute = _find(stats, "backend/model_runner.py", "execute")
-    module_call = _find(stats, "torch/nn/modules/module.py", "_wrapped_call_impl")
-    forward = _cumulative(stats, module_call, execute)
-    sampler = _cumulative(stats, _find(stats, "backend/sampler.py", "__call__"))
+    # The decoder's forward: the model's entry points called by the runner (the compact decoder's final_hidden,
+    # a transformers module's __call__); the LM head runs inside the sampler (Sampler.from_hidden).
+    forward = sum(_cumulative(stats, key, execute) for key in stats.stats
+                  if key[2] in ("final_hidden", "_wrapped_call_impl") and execute is not None)
+    sampler_key = _find(stats, "backend/sampler.py", "from_hidden") or _find(stats, "backend/sampler.py", "__call__")
+    sampler = _cumulative(stats, sampler_key)
     parts = {
         "scheduler": _cumulative(stats, _find(stats, "backend/scheduler.py", "schedule"))
         + _cumulative(stats, _find(stats, "backend/scheduler.py", "update_from_output")),
         "model runner input prep": _cumulative(stats, execute) - forward - sampler,
-        "forward": forward,
-        "sampler": sampler,
+        "forward (decoder layers)": forward,
+        "LM head + sampler": sampler,
         "detokenizer": _cumulative(stats, _find(stats, "backend/detokenizer.py", "add_token"))
         + _cumulative(stats, _find(stats, "backend/detokenizer.py", "delta")),
     }
