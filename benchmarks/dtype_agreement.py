@@ -20,8 +20,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "Cou
            "What is the largest ocean?", "Summarize the plot of Cinderella."]
 
 
-def greedy_outputs(dtype: str, max_tokens: int) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(dtype=dtype, num_blocks=2048))
+def greedy_outputs(dtype: str, max_tokens: int, quantization: str = "none") -> list[list[int]]:
+    """Each of :data:`PROMPTS`' greedy output token ids (chat template applied), on an engine of ``dtype``."""
+    engine = LLMEngine(EngineConfig(dtype=dtype, num_blocks=2048, quantization=quantization))
     try:
         template = engine.tokenizer.apply_chat_template
         sinks = [engine.add_request(template([{"role": "user", "content": q}], add_generation_prompt=True,

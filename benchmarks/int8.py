@@ -63,27 +63,9 @@ def corpus_windows(num_windows: int, window_tokens: int) -> list[list[int]]:
 
 def greedy_agreement(max_tokens: int) -> tuple[int, int, list[int]]:
     """(identical outputs, prompts, first divergent output index of each other one): int8 against bf16."""
-    from benchmarks.dtype_agreement import PROMPTS
+    from benchmarks.dtype_agreement import PROMPTS, greedy_outputs
 
-    outputs = []
-    for quantization in ("none", "int8"):
-        engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization=quantization, num_blocks=2048))
-        try:
-            template = engine.tokenizer.apply_chat_template
-            sinks = [engine.add_request(template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                 tokenize=False), SamplingParams(max_tokens=max_tokens, temperature=0))
-                     for q in PROMPTS]
-            while engine.has_unfinished_requests():
-                engine.step()
-            runs = []
-            for sink in sinks:
-                ids = []
-                while not sink.empty():
-                    ids += sink.get_nowait().token_ids
-                runs.append(ids)
-            outputs.append(runs)
-        finally:
-            engine.shutdown()
+    outputs = [greedy_outputs("bfloat16", max_tokens, quantization) for quantization in ("none", "int8")]
     diverged = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 for a, b in zip(*outputs) if a != b]
     return len(PROMPTS) - len(diverged), len(PROMPTS), sorted(diverged)
