@@ -261,7 +261,7 @@ def test_oversized_prompt_is_rejected_by_bytes_before_tokenizing(make_engine, ti
     engine = make_engine(tiny_model_dir, max_model_len=512)
     assert engine.max_prompt_bytes == 511 * 81  # the default tokenizer's longest token: 81 bytes
     calls = []
-    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    monkeypatch.setattr("backend.llm_engine.encode_prompt", lambda tokenizer, text, *a, **k: calls.append(text) or [1])
     for prompt in ("x" * (engine.max_prompt_bytes + 1), "é" * (engine.max_prompt_bytes // 2 + 1),
                    b"y" * 16_000_000):
         with pytest.raises(ValueError, match=f"prompt is over {engine.max_prompt_bytes} bytes"):

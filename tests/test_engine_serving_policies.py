@@ -31,8 +31,10 @@ def test_waiting_bound_refuses_at_once_and_admitted_requests_finish(make_engine,
     run_to_completion(engine, {"d": engine.add_request(list(range(1, 99)), LONG, request_id="d")})  # ... nor d
 
 
-def test_deadline_ends_waiting_and_running_requests_with_partial_output(make_engine, tiny_model_dir):
-    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+def test_deadline_ends_waiting_and_running_requests_with_partial_output(make_engine, default_model_dir):
+    # The real model: 1000 tokens take seconds, so the running request cannot end by length before its deadline
+    # (the tiny model's steps are fast enough to, on a quiet machine).
+    engine = make_engine(default_model_dir, max_num_seqs=1)
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     running = engine.add_request([1, 2, 3], params, request_id="running", timeout=0.3)
     waiting = engine.add_request([4, 5, 6], params, request_id="waiting", timeout=0.1)
