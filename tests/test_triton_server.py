@@ -257,7 +257,11 @@ def test_exactly_one_final_response_per_request(triton_server, ending):
 def test_cancelled_request_gets_no_response_after_cancel_and_frees_blocks(triton_server):
     got = raw_stream(triton_server, text_inputs("Write a long essay.", max_tokens=500, ignore_eos=True),
                      cancel_after=2)
-    assert len(got) <= 3  # the two read, at most one already in flight
+    # The two read, the few that were already on their way when the cancel went out, then the cancellation: the
+    # stream ends there, far short of its 500 tokens, and the engine frees the request's blocks at once.
+    *responses, (final, _, error) = got
+    assert final and error is not None and len(responses) >= 2
+    assert not any(f or e is not None for f, _, e in responses) and len(responses) <= 10
     assert wait_idle(triton_server) < 1.0
 
 
