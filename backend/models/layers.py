@@ -20,8 +20,17 @@ import torch.nn.functional as F
 from backend import cpu_ops
 
 
-def _onednn_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN prepacks ``weight`` here: a CPU tensor of fp32, or of bf16 / fp16 where this CPU has
+    oneDNN's instructions for them (bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on AVX2-only CPUs, where
+    ``F.linear`` runs it)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if weight.dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return weight.dtype == torch.float32
 
 
 class Linear(torch.nn.Module):
@@ -51,7 +60,7 @@ class Linear(torch.nn.Module):
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.packed = _onednn_available(weight.device)
+        self.packed = _onednn_packs(weight)
         self.small_batch = None  # the weight in the tile layout, when small_batch applies
         self.small_batch_rows = 0  # the most rows that go to it
         self.quantization = quantization
@@ -67,7 +76,7 @@ class Linear(torch.nn.Module):
             return
         if quantization != "none":
             raise ValueError(f"quantization must be none or int8, got {quantization!r}")
-        if self.packed and small_batch and _small_gemm_fits(weight):
+        if weight.device.type == "cpu" and small_batch and _small_gemm_fits(weight):
             self.small_batch = cpu_ops.small_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
         if self.packed:
