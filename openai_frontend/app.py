@@ -34,6 +34,7 @@ from openai_frontend.limits import (Limits, check_completion_count, install_limi
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
+from openai_frontend.text_check import LoneSurrogateMiddleware
 from openai_frontend.token_routes import token_routes
 from openai_frontend.tool_calls import ToolCallParser, ToolChoice
 from openai_frontend.triton_stream import Delta, TritonLLM
@@ -73,6 +74,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     app = FastAPI(title="Triton LLM, OpenAI API", lifespan=lifespan)
     app.state.triton = triton
     metrics.install(app, triton, config.triton_metrics_url)  # GET /metrics, vLLM names
+    app.add_middleware(LoneSurrogateMiddleware)  # inside the body limit: no body over it is read
     install_limits(app, config.limits)
     protect(app, config.api_key)  # added last: the outermost, so an unauthenticated body is never read
 

@@ -150,6 +150,11 @@ class ChatCompletionRequest(_Sampling):
             raise OpenAIError(400, "top_logprobs requires logprobs true", "invalid_value", "top_logprobs")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")
+        for i, message in enumerate(self.messages):
+            # As at OpenAI: only an assistant message (one that carries tool calls) may have no content.
+            if message.content is None and message.role != "assistant":
+                raise OpenAIError(400, f"messages[{i}].content is required for role {message.role!r}",
+                                  "invalid_value", f"messages.{i}.content")
         if self.continue_final_message and self.add_generation_prompt:
             raise OpenAIError(400, "continue_final_message needs add_generation_prompt false", "invalid_value",
                               "continue_final_message")

@@ -113,6 +113,49 @@ def test_too_many_completions_per_request_is_400(frontend):
     assert post("/v1/completions", prompt=["Hello"] * 4, n=4).status_code == 503  # 16: on to Triton (down)
 
 
+@pytest.mark.parametrize("body, lone", [
+    (rb'{"prompt": "a\ud83d\ude00b"}', False),  # an escaped pair: one character (U+1F600)
+    (rb'{"prompt": "a\ud83db"}', True),  # a high surrogate alone
+    (rb'{"prompt": "\udfff"}', True),  # a low surrogate alone
+    (rb'{"messages": [{"role": "user", "content": "x"}], "stop": ["\ud800"]}', True),
+    (rb'{"prompt": "\\ud83d"}', False),  # an escaped backslash, then the text ud83d
+    (rb'{"prompt": "\ud83d', False),  # not JSON: left to the route's parser
+])
+def test_lone_surrogates_are_told_from_pairs(body, lone):
+    from openai_frontend.text_check import SURROGATE_ESCAPE, has_lone_surrogate
+
+    assert SURROGATE_ESCAPE.search(body)
+    assert has_lone_surrogate(body) is lone
+
+
+def test_a_lone_surrogate_is_400_on_every_route_and_a_pair_passes(frontend):
+    headers = {**AUTH, "Content-Type": "application/json"}
+    for path, body in (("/v1/completions", '{"model": "llm", "prompt": "a\\ud83db"}'),
+                       ("/v1/chat/completions",
+                        '{"model": "llm", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+                       ("/tokenize", '{"model": "llm", "prompt": "x\\ud83d"}')):
+        response = requests.post(f"{frontend}{path}", data=body.encode(), headers=headers, timeout=30)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "lone UTF-16 surrogate" in error["message"]
+    pair = '{"model": "llm", "prompt": "a\\ud83d\\ude00b"}'
+    assert requests.post(f"{frontend}/v1/completions", data=pair.encode(), headers=headers,
+                         timeout=30).status_code == 503  # past the check: on to Triton (down)
+
+
+def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend):
+    def chat(*messages):
+        return requests.post(f"{frontend}/v1/chat/completions", json={"model": "llm", "messages": list(messages)},
+                             headers=AUTH, timeout=30)
+
+    missing = chat({"role": "user"})
+    assert missing.status_code == 400
+    assert missing.json()["error"]["message"] == "messages[0].content is required for role 'user'"
+    assert missing.json()["error"]["param"] == "messages.0.content"
+    assert chat({"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                    "tool_calls": []}).status_code == 503  # on to Triton (down)
+
+
 def test_api_key_sources(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
@@ -161,3 +204,35 @@ def test_sigterm_to_the_launcher_loop_exits_0_when_children_stop_cleanly(child, 
     time.sleep(2)  # the child is up
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == status
+
+
+DRAIN_SCRIPT = """
+import sys, time
+from serve.launch import run_together
+
+def drain(cut_short):
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        if cut_short():
+            print("cut short", flush=True)
+            return False
+        time.sleep(0.05)
+    print("drained", flush=True)
+    return True
+
+sys.exit(run_together([[sys.executable, "-c", "import time; time.sleep(60)"]], None, drain=drain))
+"""
+
+
+@pytest.mark.parametrize("gap_s, outcome", [(0.01, "drained"), (1.5, "cut short")])
+def test_a_repeated_sigterm_cuts_the_drain_short_only_when_it_comes_a_second_later(gap_s, outcome):
+    """``make serve`` forwards its SIGTERM to the launcher, which a SIGTERM to the process group has reached
+    already: two signals close together are one request to stop, and the drain runs to its end."""
+    process = subprocess.Popen([sys.executable, "-c", DRAIN_SCRIPT], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               text=True)
+    time.sleep(2)  # the child is up
+    process.send_signal(signal.SIGTERM)
+    time.sleep(gap_s)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert out.split() == outcome.split() and process.returncode == 0
