@@ -36,6 +36,7 @@ DEFAULT_MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the budget
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # the n-th consecutive restart of a child waits BACKOFF_S[n]
 STOP_TIMEOUT_S = 30.0  # SIGTERM, then SIGKILL after this many seconds
+REPEAT_SIGNAL_S = 1.0  # a second SIGINT/SIGTERM this long after the first cuts the drain short
 
 # What a watch's check() may ask for (see Supervisor.run).
 RESTART_SERVER = "restart-server"
@@ -107,20 +108,20 @@ class Supervisor:
         self.watch = watch
         self.budget = budget or RestartBudget()
         self.interval_s = interval_s
-        self.signals: list[int] = []
+        self.signals: list[tuple[int, float]] = []  # (signal number, time.monotonic()) as received
 
     def run(self) -> int:
         """Returns the exit status (see :func:`serve.launch.run_together` for the signal case): the status of a
         child that ended and is not restarted, 1 after giving up on a fault."""
         for child in self.children:
             child.start()
-        previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append((signum, time.monotonic())))
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         status, drain = None, False
         try:
             status, drain = self._loop()
             if drain and self.drain is not None:
-                self.drain(lambda: len(self.signals) > 1)
+                self.drain(self._asked_again)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -130,6 +131,13 @@ class Supervisor:
                            and not (c.pid in terminated and c.process.returncode == -signal.SIGTERM)), 0)
         # sys.exit(-15) would exit 241 (the status modulo 256): report death by signal N as a shell does.
         return 128 - status if status < 0 else status
+
+    def _asked_again(self) -> bool:
+        """Whether a signal came :data:`REPEAT_SIGNAL_S` or more after the first: the operator asks again, so
+        the drain is cut short. Signals closer together are one request to stop, delivered twice: ``make``
+        forwards the SIGTERM it gets to its child, which a SIGTERM to the whole process group (``kill -TERM
+        -PGID``, systemd's default ``KillMode``) has reached already."""
+        return any(at - self.signals[0][1] >= REPEAT_SIGNAL_S for _, at in self.signals[1:])
 
     def _loop(self) -> tuple[int | None, bool]:
         """Supervises until it is time to stop; returns (exit status or None for a signal, whether to drain)."""
