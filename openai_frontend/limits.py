@@ -91,22 +91,27 @@ class BodyLimitMiddleware:
                 return await self._refuse(send, size, at_least=True)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # then the server's own messages (http.disconnect)
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(b"".join(chunks), receive), send)
 
     async def _refuse(self, send, size: int, at_least: bool = False) -> None:
         await send_error(send, OpenAIError(
             413, f"request body is {'over ' if at_least else ''}{size} bytes; at most {self.limit} are accepted "
                  f"(--max-request-body-bytes)", "request_too_large"))
+
+
+def replaying(body: bytes, receive):
+    """An ASGI ``receive`` for a body read already: ``body`` as one message, then the server's own messages
+    (``http.disconnect``) from ``receive``."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def install_limits(app, limits: Limits) -> None:

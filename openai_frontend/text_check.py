@@ -16,6 +16,7 @@ import re
 
 from openai_frontend.auth import send_error
 from openai_frontend.errors import OpenAIError
+from openai_frontend.limits import replaying
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -56,13 +57,4 @@ class LoneSurrogateMiddleware:
             return await send_error(send, OpenAIError(
                 400, "the request holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not "
                      "a Unicode character", "invalid_value"))
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # then the server's own messages (http.disconnect)
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
