@@ -70,8 +70,18 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     model.hf_quantizer = None  # the weights are dequantized now; the GGUF quantization config no longer applies
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    save_model_dir(model, tokenizer, target)
+
+
+def save_model_dir(model, tokenizer, target: Path) -> None:
+    """Writes a transformers model and its tokenizer to ``target`` whole or not at all: into a temporary
+    directory beside it, then renamed. Where another process finished ``target`` first, its copy stays.
+
+    Raises:
+        OSError: the write or the rename failed and ``target`` holds no model.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

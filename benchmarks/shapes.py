@@ -14,9 +14,6 @@ tokens can be compared too; speed does not depend on what the weights are.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 SMOLLM2_VOCAB = 49152  # the default model's tokenizer; every shape uses it, so prompts are the same token ids
@@ -54,22 +51,12 @@ def ensure_shape(name: str) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from backend.model_loader import resolve_model_dir
+    from backend.model_loader import resolve_model_dir, save_model_dir
 
     config = LlamaConfig(**COMMON, **SHAPES[name])
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)  # initialized in bf16: no fp32 copy
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
-    try:
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(resolve_model_dir(None)).save_pretrained(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_model_dir(model, AutoTokenizer.from_pretrained(resolve_model_dir(None)), target)
     return target
 
 
