@@ -10,14 +10,13 @@ import threading
 import time
 
 import pytest
-import uvicorn
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from backend.prompt_limits import encode_prompt
 from openai_frontend.http_protocol import SLICE_BYTES, SlicedHttpToolsProtocol
 from openai_frontend.limits import JSON_SLICE, json_response
-from triton_server import free_port
+from triton_server import serve_app
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +103,12 @@ def test_sliced_protocol_reads_a_million_one_byte_chunks_and_answers_others_mean
                     "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=_RecordingSliced, lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
     body = bytes(range(256)) * (1_000_000 // 256) + b"x" * (1_000_000 % 256)
     wire = b"".join(b"1\r\n" + body[i:i + 1] + b"\r\n" for i in range(len(body))) + b"0\r\n\r\n"
     assert len(wire) > 100 * SLICE_BYTES
     small_latencies = []
-    try:
+    with serve_app(app, http=_RecordingSliced, lifespan="off") as url:
+        port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as flood:
             flood.sendall(b"POST /flood HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
             sender = threading.Thread(target=flood.sendall, args=(wire,))
@@ -137,9 +128,6 @@ def test_sliced_protocol_reads_a_million_one_byte_chunks_and_answers_others_mean
                 chunk = flood.recv(4096)
                 assert chunk, answer
                 answer += chunk
-    finally:
-        server.should_exit = True
-        thread.join(10)
     print(f"{len(small_latencies)} small requests meanwhile, slowest {max(small_latencies, default=0) * 1000:.0f} ms")
     print(f"largest piece parsed at once: {max(_Fed.sizes)} bytes of {len(_Fed.sizes)}")
     assert received["/flood"] == body

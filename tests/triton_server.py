@@ -84,9 +84,9 @@ def free_port() -> int:
 DEFAULT_VERSION_POLICY = "version_policy: { latest: { num_versions: 1 } }"  # model_repository/llm/config.pbtxt
 
 
-def serve_app(app):
+def serve_app(app, **settings):
     """Serves an ASGI app with uvicorn on a free loopback port, on a thread of its own, as a context manager
-    that yields its base URL and stops it on exit."""
+    that yields its base URL and stops it on exit. ``settings`` go to ``uvicorn.Config`` (``http=``, ...)."""
     import contextlib
     import threading
 
@@ -95,7 +95,7 @@ def serve_app(app):
     @contextlib.contextmanager
     def running():
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **settings))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
