@@ -111,3 +111,26 @@ def test_greedy_batches_pick_through_the_cpu_kernel_exactly_as_torch_argmax():
     penalized = plain[:5] + [Request("p", [1, 2, 3], SamplingParams(temperature=0.0, presence_penalty=0.5), (),
                                      max_tokens=5)]
     assert Sampler(native_argmax=True)(logits, penalized).token_ids[:5] == want[:5]
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero():
+    """Inverse transform sampling: over 4,000 seeded draws each token's share is within 4 standard deviations of
+    its probability, and a token of probability 0 (masked, or at either end of the vocabulary) is never drawn."""
+    probs = torch.tensor([0.0, 0.5, 0.3, 0.0, 0.15, 0.05, 0.0])
+    draws = 4000
+    requests = [Request(f"r{i}", [1], SamplingParams(seed=i), (), max_tokens=5) for i in range(draws)]
+    logits = torch.log(probs).expand(draws, -1).clone()
+    counts = torch.bincount(torch.tensor(Sampler()(logits, requests).token_ids), minlength=len(probs))
+    assert counts[probs == 0].sum() == 0
+    sigma = (probs * (1 - probs) / draws).sqrt()
+    assert bool(((counts / draws - probs).abs() <= 4 * sigma + 1e-9).all()), counts.tolist()
+
+
+def test_unseeded_draws_in_one_batch_differ_and_follow_the_distribution():
+    probs = torch.tensor([0.25, 0.25, 0.5])
+    draws = 4000
+    requests = [Request(f"r{i}", [1], SamplingParams(temperature=1.0), (), max_tokens=5) for i in range(draws)]
+    counts = torch.bincount(torch.tensor(Sampler()(torch.log(probs).expand(draws, -1).clone(), requests).token_ids),
+                            minlength=3)
+    sigma = (probs * (1 - probs) / draws).sqrt()
+    assert bool(((counts / draws - probs).abs() <= 4 * sigma).all()), counts.tolist()
