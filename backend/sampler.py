@@ -41,10 +41,9 @@ class Sampler:
     min-p and a draw. Logits stay finite
     for every finite parameter: after the penalties and after the temperature they are clamped to
     +-``FLOAT_MAX`` (a repetition penalty of 1e-45 or 3e38 would overflow them to +-inf, and inf - inf in the
-    softmax is NaN); only masked tokens are -inf. Draws use the exponential race
-    (argmax of p / Exp(1), equivalent to sampling from p) so a batch needs no per-row multinomial; a
-    seeded request draws its noise from its own ``torch.Generator``, so its tokens do not depend on what
-    shares its batch.
+    softmax is NaN); only masked tokens are -inf. Draws are inverse transform sampling
+    (one uniform number per row against the row's cumulative probabilities, :func:`_draw`); a seeded request
+    draws its number from its own ``torch.Generator``, so its tokens do not depend on what shares its batch.
 
     Greedy-only batches (every request :func:`plain_greedy`) take fast paths inside the sampler, with the same
     picks: from hidden states, the greedy head (:mod:`backend.models.greedy_head`: an fp32 head at about bf16
