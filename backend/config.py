@@ -22,6 +22,14 @@ class EngineConfig:
         kv_cache_memory_bytes: KV pool size in bytes; None derives it from free memory.
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
+        max_step_ms: a step time budget in milliseconds, 0 (default) for none: prefill work (new requests,
+            chunks of long prompts) enters a step only up to what the engine's fit of step time against work
+            says fits in this time beside the step's decodes, and at least ``block_size`` tokens of it
+            (Sarathi-Serve's token budget from a latency target; :mod:`backend.step_cost`), while requests of
+            more than one ``fairness_key`` are running or waiting (a lone request's prefill runs in full steps).
+            It bounds the gaps a long or many-prompt request puts in other clients' streams and how long their
+            new requests wait, at the cost of more steps for the chunked prefills. Decodes are never held back
+            by it: a step is at least as long as its decodes (``max_num_seqs`` bounds them).
         max_model_len: longest sequence (prompt + output) in tokens; None takes the model's limit, capped at 8192.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         attention_backend: ``auto`` (default) lets the selector pick at load (:mod:`backend.attention.selector`):
@@ -97,6 +105,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_step_ms: float = 0.0
     max_model_len: int | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"
@@ -176,6 +185,9 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             _require_positive_int(name, getattr(self, name))
+        step = self.max_step_ms
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 <= step < float("inf"):
+            raise ValueError(f"max_step_ms must be a non-negative number of milliseconds (0: no budget), got {step!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")

@@ -199,7 +199,8 @@ class EngineCore:
         ``num_consecutive_failed_steps``; others go on.
         """
         out = EngineCoreOutput(ended=self.take_inbox())
-        out.ended += self._expire(time.monotonic())
+        started = time.monotonic()
+        out.ended += self._expire(started)
         sched = self.scheduler.schedule()
         self._publish_waiting()
         if sched.is_empty:
@@ -220,6 +221,7 @@ class EngineCore:
             return out
         self.num_consecutive_failed_steps = 0
         out.new_token = self.scheduler.update_from_output(sched, result.sampled, result.verified)
+        self.scheduler.observe_step(sched, time.monotonic() - started)
         out.logprobs = result.logprobs
         out.prompt_logprobs = result.prompt_logprobs
         for request in out.new_token:

@@ -136,7 +136,8 @@ class LLMEngine:
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, sink: queue.Queue | None = None, priority: int = 0,
-                    timeout: float | None = None, cache_salt: str | None = None) -> queue.Queue:
+                    timeout: float | None = None, cache_salt: str | None = None,
+                    fairness_key: str | None = None) -> queue.Queue:
         """Validates and queues a request.
 
         Args:
@@ -149,6 +150,10 @@ class LLMEngine:
             cache_salt: prefix-cache blocks are shared only among requests with the same salt (vLLM's
                 ``cache_salt``: tenants that must not learn of each other's prompts through cache timing);
                 at most ``MAX_CACHE_SALT_CHARS`` characters.
+            fairness_key: requests with the same key take one turn together in admission (the scheduler's
+                start-time fair queuing): the prompts of one multi-prompt call, or one tenant's requests.
+                None: the request (its ``n`` completions) is a key of its own. At most
+                ``MAX_CACHE_SALT_CHARS`` characters.
 
         Returns:
             The sink.
@@ -176,6 +181,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if fairness_key is not None and (not isinstance(fairness_key, str)
+                                         or not 0 < len(fairness_key) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"fairness_key must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if params.n > self.config.max_n:
             raise ValueError(f"n must be at most {self.config.max_n} (the engine's max_n), got {params.n}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
@@ -201,7 +209,7 @@ class LLMEngine:
         requests = parent.make_requests(prompt_ids, self.eos_token_ids, max_tokens,
                                         bad_words_token_ids(self.tokenizer, params.bad_words),
                                         self.config.enable_prefix_caching, priority, timeout, make_grammar,
-                                        cache_salt)
+                                        cache_salt, fairness_key)
         with self._admit_lock:
             if self._stopping:
                 raise EngineUnavailableError("the engine is shutting down")

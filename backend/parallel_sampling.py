@@ -43,19 +43,22 @@ class ParentRequest:
 
     def make_requests(self, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...], max_tokens: int,
                       bad_words_token_ids: list[list[int]], enable_prefix_caching: bool, priority: int = 0,
-                      timeout: float | None = None, make_grammar=None, cache_salt: str | None = None) -> list[Request]:
+                      timeout: float | None = None, make_grammar=None, cache_salt: str | None = None,
+                      fairness_key: str | None = None) -> list[Request]:
         """The ``n`` engine requests. ``cache_salt`` (vLLM's): with prefix caching on, they share cached blocks
         only with requests of the same salt. With prefix caching off and ``n`` > 1 they get a salt of their own,
         so they share with each other and nothing else; with it off and ``n`` 1 nothing is cached.
         ``priority`` and ``timeout`` (seconds) apply to each (:class:`~backend.request.Request`);
-        ``make_grammar`` (no arguments) gives each completion a grammar state of its own."""
+        ``make_grammar`` (no arguments) gives each completion a grammar state of its own. The completions share
+        one ``fairness_key`` (the caller's id when None): together they take one turn in admission."""
         if enable_prefix_caching:
             salt = cache_salt
         else:
             salt = None if self.params.n == 1 else f"{cache_salt or ''}:{uuid.uuid4().hex}"
         return [Request(self.child_id(i), prompt_token_ids, self.params, eos_token_ids, max_tokens, i,
                         bad_words_token_ids, cache_salt=salt, priority=priority, timeout=timeout,
-                        grammar=make_grammar() if make_grammar is not None else None)
+                        grammar=make_grammar() if make_grammar is not None else None,
+                        fairness_key=self.request_id if fairness_key is None else fairness_key)
                 for i in range(self.params.n)]
 
     def finish_child(self) -> bool:

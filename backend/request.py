@@ -49,10 +49,13 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, index: int = 0,
                  bad_words_token_ids: list[list[int]] | None = None, cache_salt: str | None = None,
-                 priority: int = 0, timeout: float | None = None, grammar=None) -> None:
+                 priority: int = 0, timeout: float | None = None, grammar=None,
+                 fairness_key: str | None = None) -> None:
         """``priority``: lower is scheduled first (vLLM's priority policy); ``timeout``: seconds from now after
         which the request ends with finish_reason ``timeout`` (None: no deadline); ``grammar``: this
-        completion's :class:`~backend.structured_output.Grammar` when its output is constrained."""
+        completion's :class:`~backend.structured_output.Grammar` when its output is constrained;
+        ``fairness_key``: requests with the same key share one turn in admission (the scheduler's fair
+        queuing); None: the request's own id."""
         self.request_id = request_id
         self.index = index  # which of the prompt's n completions (parallel sampling)
         self.params = params
@@ -76,6 +79,8 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.priority = priority
+        self.fairness_key = request_id if fairness_key is None else fairness_key
+        self.fair_start = 0  # start tag in the waiting queue (set by Scheduler.add_request)
         self.deadline = None if timeout is None else self.arrival_time + timeout  # time.monotonic seconds
 
     @property

@@ -11,7 +11,22 @@ table; ``update_from_output()`` applies the model runner's sampled tokens and th
 Priorities follow vLLM's priority policy: a lower ``Request.priority`` waits ahead of a higher one (first
 come, first served among equals), and preemption takes the running request with the highest value (the
 newest among equals). A waiting request of a lower value than a running one preempts it when there is no
-room for both. With every priority equal this is plain FCFS.
+room for both.
+
+Among equal priorities, waiting requests are admitted by start-time fair queuing (Goyal, Vin and Cheng,
+SIGCOMM 1996) over their ``fairness_key`` (the client request they belong to: a multi-prompt completion's
+prompts, an ``n`` > 1 request's completions, or whatever key a caller passes): each request's start tag is
+``max(V, the previous tag of its key + 1)``, where V is the tag of the last request admitted, and the queue is
+kept in tag order (first come, first served among equal tags). A request of a new key is therefore admitted
+ahead of the remaining prompts of a 256-prompt request that arrived before it; with every key distinct (one
+request each) this is plain FCFS.
+
+With a step time budget (``max_step_ms``; Sarathi-Serve's token budget from a latency target, Agrawal et al.
+OSDI 2024, sec. 4.3), prefill work (new requests and chunks of long prompts) enters a step only up to what
+:class:`~backend.step_cost.StepCost`, fitted on the steps run so far, says fits beside the step's decodes, and at
+least ``block_size`` tokens of it, while requests of more than one fairness key are running or waiting (a lone
+request's prefill runs in full steps: there is nobody to keep waiting); decodes are never held back by it
+(``max_num_seqs`` bounds them).
 
 Speculative decoding (``num_speculative_tokens`` k > 0): a running request one token behind that
 :func:`~backend.ngram_proposer.can_speculate` allows gets up to k draft tokens from the n-gram proposer, and
@@ -34,6 +49,7 @@ from backend.ngram_proposer import NgramProposer, can_speculate
 from backend.request import Request, RequestStatus
 from backend.scheduler_output import ScheduledRequest, SchedulerOutput
 from backend.stats import SchedulerStats
+from backend.step_cost import StepCost
 from backend.stopping import stop_status
 
 
@@ -45,7 +61,13 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()  # by priority, then first come first served
+        self.waiting: deque[Request] = deque()  # by priority, then start tag (fair queuing), then arrival
+        self._virtual_time = 0  # start tag of the last request admitted
+        self._next_tag: dict[str, int] = {}  # fairness key with waiting requests -> start tag of its next one
+        self._num_waiting_by_key: dict[str, int] = {}
+        self.max_step_s = config.max_step_ms / 1000 if config.max_step_ms else None
+        self.step_cost = StepCost() if self.max_step_s else None
+        self.min_prefill_tokens = config.block_size  # prefill tokens a step always admits under max_step_ms
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_waiting_tokens = 0  # tokens of the waiting requests (all to be computed when admitted)
@@ -75,18 +97,36 @@ class Scheduler:
                              f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens")
 
     def add_request(self, request: Request) -> None:
-        """Queues a request behind every waiting request of the same or a lower priority value."""
+        """Queues a request by priority, then by its start tag: behind every waiting request of a lower
+        priority value, or of the same one and a start tag not above its own."""
+        key = request.fairness_key
+        # A key with nothing waiting starts afresh at V (only backlogged keys need a tag to remember).
+        request.fair_start = max(self._virtual_time, self._next_tag.get(key, 0))
+        self._next_tag[key] = request.fair_start + 1
         self._enqueue(request, front=False)
 
     def _enqueue(self, request: Request, front: bool) -> None:
-        """Into the waiting queue, kept sorted by priority: ahead of (``front``) or behind its equals."""
+        """Into the waiting queue, kept sorted by (priority, start tag): ahead of (``front``) or behind its
+        equals."""
         find = bisect.bisect_left if front else bisect.bisect_right
-        self.waiting.insert(find(self.waiting, request.priority, key=_priority), request)
+        self.waiting.insert(find(self.waiting, _order(request), key=_order), request)
         self.num_waiting_tokens += request.num_tokens
+        key = request.fairness_key
+        self._num_waiting_by_key[key] = self._num_waiting_by_key.get(key, 0) + 1
 
     def _dequeue(self, request: Request) -> None:
         self.waiting.remove(request)
+        self._left_waiting(request)
+
+    def _left_waiting(self, request: Request) -> None:
         self.num_waiting_tokens -= request.num_tokens
+        key = request.fairness_key
+        left = self._num_waiting_by_key[key] - 1
+        if left:
+            self._num_waiting_by_key[key] = left
+        else:  # the key's backlog is gone, and with it its tag
+            del self._num_waiting_by_key[key]
+            self._next_tag.pop(key, None)
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -100,6 +140,7 @@ class Scheduler:
         priority equal this never happens, and admission is plain FCFS.
         """
         token_budget = self.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()  # work units: prefill tokens, plus one per request
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         if self._drafts:
@@ -109,6 +150,12 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new > 1:  # a long prompt's next chunk: prefill work
+                num_new = min(num_new, prefill_budget - 1)
+                if num_new <= 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new + 1
             if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
                 drafts = self._propose(request, token_budget)
                 if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
@@ -143,7 +190,10 @@ class Scheduler:
             # New or preempted: it holds no blocks. Prompt logprobs need every prompt position's logits.
             cached = [] if request.wants_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, token_budget,
+                          prefill_budget - 1)
+            if num_new <= 0:
+                break
             if not self.kv.allocate_slots(request, num_new, cached):
                 if not self._preempt_for(request, scheduled):
                     break
@@ -153,11 +203,13 @@ class Scheduler:
             if request.num_preemptions == 0 and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
             self.waiting.popleft()
-            self.num_waiting_tokens -= request.num_tokens
+            self._left_waiting(request)
+            self._virtual_time = max(self._virtual_time, request.fair_start)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
             token_budget -= num_new
+            prefill_budget -= num_new + 1
 
         scheduled.sort(key=lambda item: item[1] != 1)  # decodes first; stable within each group
         if self._drafts:
@@ -169,6 +221,34 @@ class Scheduler:
         return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
                                                  self.kv.get_block_ids(request.request_id))
                                 for request, n in scheduled])
+
+    def _prefill_budget(self) -> int | float:
+        """Work units (prefill tokens, plus one per request that samples) this step may spend on prefill:
+        unbounded without ``max_step_ms``, before the first step has been timed, or while every running and
+        waiting request has one fairness key (nobody else to keep waiting: a lone long prompt runs in full
+        steps); else what the step cost fit says fits in ``max_step_ms`` beside the running decodes (two
+        units each), at least ``min_prefill_tokens`` + 1 so that waiting requests always move."""
+        if self.step_cost is None or not self._shared():
+            return float("inf")
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        units = self.step_cost.units_within(self.max_step_s, 2 * num_decodes)
+        return float("inf") if units is None else max(units, self.min_prefill_tokens + 1)
+
+    def _shared(self) -> bool:
+        """Whether the running and waiting requests have more than one fairness key between them."""
+        key = None
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if key is None:
+                    key = request.fairness_key
+                elif request.fairness_key != key:
+                    return True
+        return False
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step that ran ``out`` took ``seconds`` (schedule to update): feeds the step cost fit."""
+        if self.step_cost is not None:
+            self.step_cost.observe(out.total_num_scheduled_tokens + len(out.scheduled), seconds)
 
     def _propose(self, request: Request, token_budget: int) -> list[int]:
         """Drafts for a running request one token behind: none unless it may speculate; at most what the
@@ -319,5 +399,5 @@ class Scheduler:
                               spec_decode_num_accepted_tokens=self.num_spec_accepted_tokens)
 
 
-def _priority(request: Request) -> int:
-    return request.priority
+def _order(request: Request) -> tuple[int, int]:
+    return request.priority, request.fair_start

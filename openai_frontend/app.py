@@ -121,6 +121,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         echo_only = bool(body.echo) and body.max_tokens == 0
         max_tokens = 1 if echo_only else body.max_tokens if body.max_tokens is not None else 16
         sampling = body.sampling_parameters(max_tokens, body.logprobs)
+        if len(prompts) > 1:  # the prompts take one turn together in the engine's fair queuing
+            sampling["fairness_key"] = uuid.uuid4().hex
         echo_logprobs = bool(body.echo) and body.logprobs is not None
         if echo_logprobs:  # the prompt's tokens come back with their logprobs, from the prefill itself
             sampling["prompt_logprobs"] = max(body.prompt_logprobs or 0, body.logprobs)

@@ -39,6 +39,9 @@ TRTLLM_INPUTS: dict[str, type] = {
 TRTLLM_LIST_INPUTS = ("stop_words", "bad_words")
 # Scheduling inputs (not sampling): ParsedRequest.priority (lower first) and .timeout_ms (a deadline).
 SCHEDULING_INPUTS: dict[str, type] = {"priority": int, "timeout_ms": int}
+# String settings read like sampling values: vLLM's cache_salt, and the fair-queuing key of the scheduler
+# (requests with the same key take one turn together in admission).
+STRING_SETTINGS = ("cache_salt", "fairness_key")
 # Structured outputs: vLLM's sampling-parameter names (an object or its JSON text; guided_decoding is its
 # older name, which Triton's OpenAI frontend sends for tool calls), and TensorRT-LLM's two STRING inputs.
 STRUCTURED_OUTPUTS_NAMES = ("structured_outputs", "guided_decoding")
@@ -72,6 +75,7 @@ class ParsedRequest:
     timeout_ms: int | None = None
     returns: frozenset[str] = frozenset()  # the RETURN_INPUTS set true
     cache_salt: str | None = None  # vLLM's: prefix-cache sharing only among requests with the same salt
+    fairness_key: str | None = None  # requests with the same key take one turn together in admission
 
 
 def check_request_id(request_id: str) -> str:
@@ -113,7 +117,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
     for key, value in parameters.items():
-        if key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES or key == "cache_salt":
+        if (key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES
+                or key in STRING_SETTINGS):
             values[key] = value
     if "sampling_parameters" in inputs:
         values.update(_vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"]))))
@@ -138,9 +143,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     for name in ("stop", "stop_words", "bad_words"):
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
-    cache_salt = values.pop("cache_salt", None)
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a string, got {_clip(cache_salt)}")
+    cache_salt, fairness_key = (values.pop(name, None) for name in STRING_SETTINGS)
+    for name, value in zip(STRING_SETTINGS, (cache_salt, fairness_key)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {_clip(value)}")
     priority = values.pop("priority", None)
     timeout_ms = values.pop("timeout_ms", None)
     for name, value in (("priority", priority), ("timeout_ms", timeout_ms)):
@@ -167,7 +173,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
                 message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None
-    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt)
+    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt, fairness_key)
 
 
 def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:

@@ -23,7 +23,7 @@ overwrite before reading, and a block registered in the prefix cache while holdi
 from __future__ import annotations
 
 import queue
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from backend.block_pool import sha256_block_hash
 from backend.config import EngineConfig
@@ -81,6 +81,11 @@ class FakeProposer:
             token = fake_targets(request, drafts)[-1]
             drafts.append(token if j < right else (token + 1) % VOCAB)
         return drafts
+
+
+def fake_step_seconds(out: SchedulerOutput) -> float:
+    """A step's time as a line in its work (tokens + requests): 2 ms, plus 1 ms per unit."""
+    return 0.002 + 0.001 * (out.total_num_scheduled_tokens + len(out.scheduled))
 
 
 def expected_output(prompt: list[int], max_tokens: int, index: int = 0) -> tuple[list[int], RequestStatus]:
@@ -186,11 +191,11 @@ class CoreSim:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, max_model_len: int = 4096,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, max_step_ms: float = 0.0) -> None:
         self.config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching,
-                                   num_speculative_tokens=num_speculative_tokens)
+                                   num_speculative_tokens=num_speculative_tokens, max_step_ms=max_step_ms)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.config, self.kv, max_model_len)
@@ -210,7 +215,7 @@ class CoreSim:
 
     def add_prompt(self, request_id: str, prompt: list[int], max_tokens: int, *, n: int = 1, priority: int = 0,
                    prompt_logprobs: int | None = None, cache_salt: str | None = None,
-                   greedy: bool = False) -> list[Request]:
+                   greedy: bool = False, fairness_key: str | None = None) -> list[Request]:
         """A caller's request: ``n`` completions (``ParentRequest.make_requests``), or one with ``cache_salt``.
         ``greedy``: temperature 0, so the request may speculate (the fake tokens are the same either way)."""
         params = SamplingParams(n=n, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs,
@@ -218,11 +223,11 @@ class CoreSim:
         if cache_salt is not None:
             assert n == 1
             children = [Request(request_id, prompt, params, (EOS,), max_tokens, cache_salt=cache_salt,
-                                priority=priority)]
+                                priority=priority, fairness_key=fairness_key)]
         else:
             parent = ParentRequest(request_id, params, queue.Queue())
             children = parent.make_requests(prompt, (EOS,), max_tokens, [], self.config.enable_prefix_caching,
-                                            priority=priority)
+                                            priority=priority, fairness_key=fairness_key)
         return [self.add(child) for child in children]
 
     def abort(self, request: Request) -> None:
@@ -236,6 +241,7 @@ class CoreSim:
         self.check_schedule(out, waiting_before)
         sampled, verified = self.runner.execute(out, self._holders())
         self.scheduler.update_from_output(out, sampled, verified)
+        self.scheduler.observe_step(out, fake_step_seconds(out))
         self.num_steps += 1
         self.check()
         return out
@@ -335,8 +341,11 @@ class CoreSim:
         assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
         assert not set(running_ids) & set(waiting_ids), "a request both running and waiting"
         assert len(running_ids) <= sched.max_num_seqs
-        priorities = [r.priority for r in sched.waiting]
-        assert priorities == sorted(priorities), "waiting queue out of priority order"
+        order = [(r.priority, r.fair_start) for r in sched.waiting]
+        assert order == sorted(order), "waiting queue out of (priority, start tag) order"
+        # Fair queuing remembers the keys that have waiting requests, and no others.
+        assert sched._num_waiting_by_key == dict(Counter(r.fairness_key for r in sched.waiting))
+        assert set(sched._next_tag) <= set(sched._num_waiting_by_key)
         assert sched.num_waiting_tokens == sum(r.num_tokens for r in sched.waiting)
         # Only running requests hold blocks; each table covers exactly the computed tokens.
         assert set(kv.block_tables) == set(running_ids), "block tables are not those of the running requests"

@@ -30,7 +30,8 @@ def request_specs(draw):
                 priority=draw(st.sampled_from([0, 0, 1, 2])),
                 prompt_logprobs=draw(st.sampled_from([None, None, None, 0, 2])),
                 cache_salt=draw(st.sampled_from([None, None, None, "a", "b"])) if n == 1 else None,
-                abort_after=draw(st.none() | st.integers(0, 12)), greedy=draw(st.booleans()))
+                abort_after=draw(st.none() | st.integers(0, 12)), greedy=draw(st.booleans()),
+                fairness_key=draw(st.sampled_from([None, None, "k1", "k2"])))
 
 
 @st.composite
@@ -44,7 +45,7 @@ def scenarios(draw):
     # Speculative decoding in half the scenarios (greedy requests only; drafts never past the budget).
     speculative = min(draw(st.sampled_from([0, 0, 1, 2, 4])), budget - 1)
     return dict(block_size=block_size, sliding_window=window, max_num_batched_tokens=budget,
-                num_speculative_tokens=speculative,
+                num_speculative_tokens=speculative, max_step_ms=draw(st.sampled_from([0, 0, 5, 20])),
                 max_num_seqs=draw(st.integers(1, 6)), enable_prefix_caching=draw(st.booleans()),
                 num_blocks=needed + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32])), specs=specs,
                 failing_step=draw(st.sampled_from([None, None, None, None, 0, 1, 3, 6])))
@@ -66,7 +67,8 @@ def run_scenario(scenario: dict) -> CoreSim:
             if spec["arrival"] == step:
                 children[k] = sim.add_prompt(f"r{k}", spec["prompt"], spec["max_tokens"], n=spec["n"],
                                              priority=spec["priority"], prompt_logprobs=spec["prompt_logprobs"],
-                                             cache_salt=spec["cache_salt"], greedy=spec["greedy"])
+                                             cache_salt=spec["cache_salt"], greedy=spec["greedy"],
+                                             fairness_key=spec["fairness_key"])
                 sim.check()
             if spec["abort_after"] is not None and spec["arrival"] + spec["abort_after"] == step:
                 for child in children[k]:
@@ -392,3 +394,107 @@ def test_drafts_count_against_the_token_budget_and_never_reach_past_max_tokens()
         assert out.total_num_scheduled_tokens <= 3
     assert (request.output_token_ids, request.status) == expected_output(tokens(0, 3), 5)
     assert sim.scheduler.num_spec_drafts > 0
+
+
+# -- fair queuing and the step time budget ---------------------------------------------------------------------
+def test_a_new_key_is_admitted_ahead_of_the_rest_of_a_many_prompt_request():
+    """Start-time fair queuing: 40 prompts of one key are admitted 4 a step (max_num_batched_tokens 8, two-token
+    prompts); a request of another key that arrives after the first step is admitted in the very next step, not
+    after the 36 still waiting. Every prompt of the big key still completes with its solo output."""
+    sim = CoreSim(num_blocks=256, block_size=4, max_num_batched_tokens=8)
+    big = [sim.add_prompt(f"big-{i}", tokens(3 * i, 2), max_tokens=1, fairness_key="batch")[0] for i in range(40)]
+    first = sim.step()
+    assert [s.request_id for s in first.scheduled] == ["big-0", "big-1", "big-2", "big-3"]
+    (small,) = sim.add_prompt("small", tokens(99, 2), max_tokens=1)
+    second = sim.step()
+    assert "small" in [s.request_id for s in second.scheduled]
+    assert len(second.scheduled) == 4
+    sim.run()
+    for i, request in enumerate(big):
+        assert (request.output_token_ids, request.status) == expected_output(tokens(3 * i, 2), 1)
+    assert small.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_without_keys_admission_is_first_come_first_served():
+    sim = CoreSim(num_blocks=256, block_size=4, max_num_batched_tokens=8)
+    for i in range(12):
+        sim.add_prompt(f"r{i}", tokens(3 * i, 2), max_tokens=1)
+    order = []
+    while sim.scheduler.waiting:
+        order += [s.request_id for s in sim.step().scheduled if s.num_computed_tokens == 0]
+    assert order == [f"r{i}" for i in range(12)]
+
+
+def test_a_keys_turns_interleave_with_another_key_that_arrived_together():
+    sim = CoreSim(num_blocks=256, block_size=4, max_num_batched_tokens=2)  # one two-token prompt a step
+    for i in range(3):
+        sim.add_prompt(f"a{i}", tokens(i, 2), max_tokens=1, fairness_key="a")
+    for i in range(3):
+        sim.add_prompt(f"b{i}", tokens(10 + i, 2), max_tokens=1, fairness_key="b")
+    order = [sim.step().scheduled[0].request_id for _ in range(6)]
+    assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_the_step_time_budget_bounds_prefill_work_beside_decodes():
+    """max_step_ms 20 with steps costing 2 ms + 1 ms per unit (tokens + requests; ``fake_step_seconds``): once
+    a step has been timed, a step of 5 decodes (10 units) admits prefill work of at most 8 units (20 - 2 - 10),
+    and never less than block_size + 1 units even when the decodes alone are over budget."""
+    sim = CoreSim(num_blocks=512, block_size=4, max_step_ms=20)
+    for i in range(5):
+        sim.add_prompt(f"d{i}", tokens(i, 4), max_tokens=50)
+    sim.step()  # untimed: everything waiting is admitted
+    assert len(sim.scheduler.running) == 5
+    for i in range(30):
+        sim.add_prompt(f"p{i}", tokens(20 + i, 1), max_tokens=1)
+    out = sim.step()
+    prefill = [s for s in out.scheduled if s.request_id.startswith("p")]
+    assert sum(s.num_scheduled_tokens + 1 for s in prefill) <= 8 and prefill
+    # 20 more decoding requests: decodes alone (50 units) exceed the budget; prefill gets the floor, 5 units.
+    for i in range(20):
+        sim.add_prompt(f"e{i}", tokens(40 + i, 3), max_tokens=50)
+    while sim.scheduler.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sim.scheduler.running):
+        sim.step()  # until every e prompt is in and decoding
+    for i in range(10):
+        sim.add_prompt(f"q{i}", tokens(60 + i, 1), max_tokens=1)
+    out = sim.step()
+    prefill = [s for s in out.scheduled if s.request_id.startswith("q")]
+    assert sum(s.num_scheduled_tokens + 1 for s in prefill) == 4  # two one-token prompts: 4 of the 5 units
+    sim.run()
+
+
+def test_a_long_prompt_is_chunked_by_the_step_time_budget_only_while_others_run():
+    """Alone, a 100-token prompt is computed in one step (nobody to keep waiting); while a stream of another key
+    decodes, it is chunked to what the 30 ms budget leaves (steps cost 2 ms + 1 ms per unit), and the stream
+    gets its token every step."""
+    sim = CoreSim(num_blocks=512, block_size=4, max_step_ms=30)
+    (alone,) = sim.add_prompt("alone", tokens(5, 100), max_tokens=1)
+    assert sim.step().num_scheduled_tokens == [100]
+    (stream,) = sim.add_prompt("stream", tokens(0, 2), max_tokens=60)
+    sim.step()
+    (long,) = sim.add_prompt("long", tokens(7, 100), max_tokens=2)
+    chunks = []
+    while long.num_output_tokens == 0:
+        out = sim.step()
+        assert "stream" in [s.request_id for s in out.scheduled]
+        chunks += [s.num_scheduled_tokens for s in out.scheduled if s.request_id == "long"]
+    assert sum(chunks) == 100 and max(chunks) <= 30 - 2 - 2 - 1 and len(chunks) >= 4
+    sim.run()
+    assert (long.output_token_ids, long.status) == expected_output(tokens(7, 100), 2)
+    assert (alone.output_token_ids, alone.status) == expected_output(tokens(5, 100), 1)
+
+
+def test_step_cost_fits_the_base_and_the_cost_per_unit_of_noisy_steps():
+    import random
+
+    from backend.step_cost import StepCost
+
+    rng = random.Random(0)
+    cost = StepCost()
+    assert cost.line() is None and cost.units_within(0.1, 0) is None
+    for _ in range(200):
+        work = rng.randint(1, 300)
+        cost.observe(work, (0.028 + 0.0016 * work) * rng.uniform(0.97, 1.03))
+    base, per_unit = cost.line()
+    assert base == pytest.approx(0.028, rel=0.25) and per_unit == pytest.approx(0.0016, rel=0.1)
+    assert cost.units_within(0.100, 10) == pytest.approx((0.100 - base) / per_unit - 10, abs=1)
+    assert cost.units_within(0.010, 0) == 0  # below the base: nothing fits

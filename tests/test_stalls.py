@@ -22,9 +22,10 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]  # a launcher of its own: mi
 HEALTH_DELAY_S = 0.25  # added to the median of GET /health
 COMPLETION_DELAY_S = 1.0  # added to the median of a one-token completion
 STREAM_GAP_S = 1.0  # added to the stream's largest gap
-# One prefill step of 256 prompts is seconds of model compute on 2 CPU cores: the small completion and the
-# stream wait for that step (the engine's work, not a stall); /health must not.
-ENGINE_BOUND_S = 3.0
+# 256 prompts in one request are about 0.5 s of model compute on 2 CPU cores: in one step, the small completion
+# and the stream would wait for all of it. The step time budget and fair admission spread it over steps that
+# leave room for them.
+SPREAD_BOUND_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,9 @@ def test_2000_prompts_are_refused_without_holding_up_others(bench):
     check(bench.run("prompts_2000", baseline_s=2.0, heavy_s=1.5))
 
 
-def test_256_prompts_are_served_and_the_frontend_stays_responsive(bench):
-    check(bench.run("prompts_256", baseline_s=2.0, heavy_s=0.0), completion_bound_s=ENGINE_BOUND_S,
-          stream_bound_s=ENGINE_BOUND_S)
+def test_256_prompts_are_spread_over_steps_that_leave_room_for_others(bench):
+    check(bench.run("prompts_256", baseline_s=2.0, heavy_s=0.0), completion_bound_s=SPREAD_BOUND_S,
+          stream_bound_s=SPREAD_BOUND_S)
 
 
 def test_chunked_flood_to_the_frontend_is_served_without_holding_up_others(bench):

@@ -162,7 +162,8 @@ class TritonPythonModel:
             self.drain.check_accepting()
             timeout = None if parsed.timeout_ms is None else parsed.timeout_ms / 1000
             self.engine.add_request(parsed.prompt, parsed.params, request_id, sink=self.outputs,
-                                    priority=parsed.priority, timeout=timeout, cache_salt=parsed.cache_salt)
+                                    priority=parsed.priority, timeout=timeout, cache_salt=parsed.cache_salt,
+                                    fairness_key=parsed.fairness_key)
         except Exception:
             self.inflight.pop(request_id, None)
             raise
