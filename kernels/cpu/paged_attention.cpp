@@ -595,7 +595,12 @@ void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf
 // as one vector with no horizontal sums), and row r (position seq_len - q_len + r) stops at its own position.
 // Queries go by `VECTORS` at a time, their multiply-adds independent: a small register-blocked GEMM per tile.
 constexpr int64_t QUERY_ROWS = 16;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LLM_PREFILL_AVX2 1
+constexpr int VECTORS = 2;  // AVX2's 16 registers hold two vectors' accumulators for a quarter row of D
+#else
 constexpr int VECTORS = 4;
+#endif
 
 // dst[j][i] = src[i * stride + j] for a 16 x 16 block of floats (dst: 16 rows of 16, contiguous): with AVX-512,
 // four rounds of shuffles across the 16 vectors instead of 256 scalar moves.
@@ -658,6 +663,98 @@ inline void softmax_tile(const vf16* s, const int* n, int count, float* maxima, 
   }
 }
 
+#if defined(LLM_PREFILL_AVX2)
+// exp_nonpositive (common.h) on 8 lanes: the same polynomial, the power of two set in the exponent bits.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_floor_ps(y);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float reduce8(__m256 v, bool max) {
+  __m128 x = max ? _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+                 : _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 y = _mm_movehl_ps(x, x);
+  x = max ? _mm_max_ps(x, y) : _mm_add_ps(x, y);
+  y = _mm_shuffle_ps(x, x, 1);
+  return _mm_cvtss_f32(max ? _mm_max_ss(x, y) : _mm_add_ss(x, y));
+}
+
+// The AVX2 form of the block below, written with 8-lane intrinsics: GCC lowers the 16-float vector type to pairs
+// of AVX2 registers through the stack, which made this loop about ten times slower than SDPA. Scores: two
+// registers (the tile's keys 0-7 and 8-15) per query vector; the softmax on 8 lanes; values summed a quarter
+// row of D (four registers per vector) at a time, so the accumulators stay in registers.
+template <int D>
+inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, const int* n, int count,
+                              float* maxima, float* sums, vf16* acc) {
+  const float* ktf = reinterpret_cast<const float*>(kt);  // kt[d]: the tile's 16 keys' dimension d
+  const float* vtf = reinterpret_cast<const float*>(vt);  // row i: value i, D floats
+  float* accf = reinterpret_cast<float*>(acc);            // vector j: D floats
+  __m256 lo[VECTORS], hi[VECTORS];
+  for (int j = 0; j < VECTORS; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 k_lo = _mm256_loadu_ps(ktf + 16 * d), k_hi = _mm256_loadu_ps(ktf + 16 * d + 8);
+    for (int j = 0; j < VECTORS; ++j) {
+      const __m256 qb = _mm256_broadcast_ss(q + j * D + d);
+      lo[j] = _mm256_fmadd_ps(qb, k_lo, lo[j]);
+      hi[j] = _mm256_fmadd_ps(qb, k_hi, hi[j]);
+    }
+  }
+  alignas(64) float p[VECTORS * 16] = {};
+  float alpha[VECTORS] = {};
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < count; ++j) {
+    const __m256i nn = _mm256_set1_epi32(n[j]);
+    const __m256 valid_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nn, lanes));
+    const __m256 valid_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nn, _mm256_add_epi32(lanes, _mm256_set1_epi32(8))));
+    const __m256 x_lo = _mm256_blendv_ps(minus_inf, lo[j], valid_lo);
+    const __m256 x_hi = _mm256_blendv_ps(minus_inf, hi[j], valid_hi);
+    const float m = std::max(maxima[j], reduce8(_mm256_max_ps(x_lo, x_hi), true));
+    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 e_lo = _mm256_and_ps(valid_lo, exp_nonpositive8(_mm256_sub_ps(x_lo, mv)));
+    const __m256 e_hi = _mm256_and_ps(valid_hi, exp_nonpositive8(_mm256_sub_ps(x_hi, mv)));
+    _mm256_store_ps(p + 16 * j, e_lo);
+    _mm256_store_ps(p + 16 * j + 8, e_hi);
+    alpha[j] = exp_nonpositive(maxima[j] - m);
+    maxima[j] = m;
+    sums[j] = sums[j] * alpha[j] + reduce8(_mm256_add_ps(e_lo, e_hi), false);
+  }
+  int keys = 0;
+  for (int j = 0; j < count; ++j) keys = std::max(keys, n[j]);
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    __m256 a[VECTORS][4];
+    for (int j = 0; j < VECTORS; ++j) {
+      const __m256 scale = _mm256_set1_ps(alpha[j]);
+      for (int c = 0; c < 4; ++c)
+        a[j][c] = j < count ? _mm256_mul_ps(_mm256_loadu_ps(accf + j * D + c0 + 8 * c), scale) : _mm256_setzero_ps();
+    }
+    for (int i = 0; i < keys; ++i) {
+      const float* row = vtf + i * D + c0;
+      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+      const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+      for (int j = 0; j < VECTORS; ++j) {
+        const __m256 pb = _mm256_broadcast_ss(p + 16 * j + i);
+        a[j][0] = _mm256_fmadd_ps(pb, v0, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(pb, v1, a[j][1]);
+        a[j][2] = _mm256_fmadd_ps(pb, v2, a[j][2]);
+        a[j][3] = _mm256_fmadd_ps(pb, v3, a[j][3]);
+      }
+    }
+    for (int j = 0; j < count; ++j)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(accf + j * D + c0 + 8 * c, a[j][c]);
+  }
+}
+#else
 // `count` (<= VECTORS) query vectors q (fp32, scaled, D floats each) against a tile: keys transposed kt[d] (16
 // lanes: the tile's keys), values vt[i * C + c] (rows past the tile's end are zero).
 template <int D>
@@ -688,6 +785,7 @@ inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, co
   for (int j = 0; j < count; ++j)
     for (int c = 0; c < C; ++c) acc[j * C + c] = a[j][c];
 }
+#endif
 
 template <typename T, int D>
 void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_cache, const T* value_cache,
