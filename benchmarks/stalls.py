@@ -395,12 +395,13 @@ class Bench:
 
 def table(rows: list[dict]) -> str:
     """The markdown table: heavy request, outcome, small-request delay p50/max (ms; /health and a 1-token
-    completion), the stream's largest gap (ms; baseline -> heavy window, added)."""
+    completion), the completion's median before -> during (ms), the stream's largest gap (ms; baseline ->
+    heavy window, added)."""
     def cell(x):
         return "-" if x is None else f"{x:.0f}"
 
     lines = ["| heavy request | outcome | /health delay p50 / max | completion delay p50 / max | "
-             "stream gap max: before -> during (added) |", "|---|---|---|---|---|"]
+             "completion p50: before -> during | stream gap max: before -> during (added) |", "|---|---|---|---|---|---|"]
     for r in rows:
         outcome = ", ".join(sorted(set(r["outcomes"]))) + ("" if r["as_expected"] else " (UNEXPECTED)")
         if "stack_exited" in r:
@@ -408,6 +409,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['what']} | {outcome} (x{len(r['outcomes'])}, {max(r['heavy_s']):.2f} s) | "
                      f"{cell(r['health_delay_p50_ms'])} / {cell(r['health_delay_max_ms'])} | "
                      f"{cell(r['completion_delay_p50_ms'])} / {cell(r['completion_delay_max_ms'])} | "
+                     f"{cell(r['completion_before_p50_ms'])} -> {cell(r['completion_p50_ms'])} | "
                      f"{cell(r['stream_gap_before_max_ms'])} -> {cell(r['stream_gap_max_ms'])} "
                      f"({cell(r['stream_gap_added_ms'])}) |")
     return "\n".join(lines)
