@@ -417,6 +417,20 @@ def test_cache_salt_limits_prefix_sharing_to_requests_with_the_same_salt(make_en
         engine.add_request(prompt, SamplingParams(), cache_salt="")
 
 
+def test_a_fairness_key_is_given_to_every_completion_and_checked(make_engine, tiny_model_dir):
+    """The engine's requests carry the caller's fairness_key (every one of n completions), or the caller's id;
+    an empty or oversized key is refused before anything is queued."""
+    engine = make_engine(tiny_model_dir)
+    engine.add_request([1, 2, 3], SamplingParams(n=3, max_tokens=2), request_id="multi", fairness_key="client-7")
+    engine.add_request([1, 2, 3], SamplingParams(n=2, max_tokens=2), request_id="own")
+    engine.engine_core.take_inbox()
+    keys = {r.request_id: r.fairness_key for r in engine.engine_core.scheduler.waiting}
+    assert keys == {"multi#0": "client-7", "multi#1": "client-7", "multi#2": "client-7", "own#0": "own", "own#1": "own"}
+    for bad in ("", "k" * 257):
+        with pytest.raises(ValueError, match="fairness_key"):
+            engine.add_request([1, 2, 3], SamplingParams(), fairness_key=bad)
+
+
 def test_a_request_racing_shutdown_is_answered_or_refused_never_lost(make_engine, tiny_model_dir):
     """Threads keep adding requests while the engine shuts down: each add either raises
     EngineUnavailableError or its sink gets a final (``done``) output; none is queued after the last abort."""

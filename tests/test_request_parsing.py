@@ -162,6 +162,14 @@ def test_vllm_backend_return_switches_and_openai_passthrough_fields():
         parse_request(inputs(sampling_parameters=json.dumps({"best_of": 3})), {})
 
 
+def test_fairness_key_is_read_from_sampling_parameters_or_a_request_parameter_and_must_be_a_string():
+    assert parse_request(inputs(sampling_parameters=json.dumps({"fairness_key": "tenant-a"})), {}).fairness_key == "tenant-a"
+    assert parse_request(inputs(), {"fairness_key": "tenant-b"}).fairness_key == "tenant-b"
+    assert parse_request(inputs(), {}).fairness_key is None
+    with pytest.raises(ValueError, match="fairness_key must be a string, got 7"):
+        parse_request(inputs(sampling_parameters=json.dumps({"fairness_key": 7})), {})
+
+
 def test_cache_salt_and_prompt_token_ids_are_read():
     ids = np.array([5, 6, 7], dtype=np.int64)
     parsed = parse_request({"input_ids": ids, "sampling_parameters": np.array([b'{"cache_salt": "t1"}'],
