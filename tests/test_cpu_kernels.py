@@ -158,17 +158,17 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 48, 64, 65, 203, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 32, 33, 48, 64, 65, 203, 256])
 def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
-    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512) against an fp64 reference
+    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512 or AVX2) against an fp64 reference
     and oneDNN's GEMM (what runs for larger batches): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles
     of rows with several blocks of outputs per pass (and block counts that leave a remainder), many passes of rows
     over a group of outputs (while the next group is prefetched), a bias, K of one and of many tiles, output
     counts that are and are not multiples of 64."""
     if not kernels.cpu.small_gemm_available(dtype):
-        pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX or AVX512-BF16, fp32 AVX-512)")
+        pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX or AVX512-BF16, fp32 AVX-512 or AVX2)")
     if rows > kernels.cpu.small_gemm_max_rows(dtype):
-        pytest.skip(f"small_gemm takes at most {kernels.cpu.small_gemm_max_rows(dtype)} rows here (AMX)")
+        pytest.skip(f"small_gemm takes at most {kernels.cpu.small_gemm_max_rows(dtype)} rows here (AMX, AVX2)")
     torch.manual_seed(rows)
     for n, k, with_bias in ((48, 32, False), (80, 64, True), (960, 576, True), (576, 1536, False)):
         weight = (torch.randn(n, k) * 0.05).to(dtype)

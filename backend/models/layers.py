@@ -40,7 +40,7 @@ class Linear(torch.nn.Module):
         weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None. Both are kept as given
             on non-CPU devices; on CPU the weight is reordered into oneDNN's blocked layout once.
         small_batch: also keep the weight in the layout of ``kernels.cpu.small_gemm``, which runs the GEMMs of
-            decode steps (at most 64 rows on AMX, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
+            decode steps (at most 64 rows on AMX, 4 for fp32 with AVX2 only, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
             oneDNN here by streaming the weights in order (bf16 on AMX or AVX512-BF16, fp32 on AVX-512; ignored
             elsewhere); a second copy of the weight.
         quantization: ``none``, or ``int8``: the weight is quantized per output channel, symmetric, to int8 with an

@@ -8,7 +8,8 @@
 // instead (4 blocks of 16 outputs by up to 6 rows in registers, each weight vector used by every row, so each
 // weight is read from memory once per 6 rows). bf16 weights on CPUs without AMX (AMD
 // Zen 4) take the same register blocking with AVX512-BF16's vdpbf16ps on the tile layout (one vector: 16 outputs x 2
-// consecutive k, the row's pair broadcast).
+// consecutive k, the row's pair broadcast). fp32 on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3) takes 8-lane
+// multiply-adds on the same layout, one or two rows at a time, for up to AVX2_GEMM_MAX_ROWS rows (oneDNN beyond).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -24,6 +25,11 @@
 #else
 #define LLM_HAVE_AVX512 0
 #endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LLM_HAVE_AVX2_FMA 1
+#else
+#define LLM_HAVE_AVX2_FMA 0
+#endif
 #if defined(__AVX512BF16__)
 #define LLM_HAVE_AVX512_BF16 1
 #else
@@ -35,6 +41,9 @@ namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
 constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
+// fp32 on AVX2 (16 registers, 8 lanes): two rows at a time reuse each weight only twice, so past a few rows
+// oneDNN's GEMM, blocked for arithmetic, is faster; below, streaming the weights once wins.
+constexpr int64_t AVX2_GEMM_MAX_ROWS = 4;
 constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a time
 constexpr int64_t MULTI_BLOCKS = 3;  // blocks per `tile_multi` pass (2 chunks x 3 blocks: 6 C tiles)
 
@@ -202,6 +211,62 @@ inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride,
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + m * 64 + 16 * j, acc[m][j]);
 }
 
+#endif
+
+#if LLM_HAVE_AVX2_FMA
+// fma_block on AVX2: a block of 16 outputs is two 8-lane registers. MB * NB <= 4 keeps the 2 * MB * NB
+// accumulators, the block's weights and a broadcast row value within the 16 registers.
+template <int MB, int NB>
+inline void fma_block_avx2(const float* x, int64_t K, const float* w, int64_t stride, float* c,
+                           const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K - 1) / K : 0;
+  __m256 acc[MB][NB][2];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    prefetch_share(pf, pf_lines, pf_step, k);
+    __m256 wv[NB][2];
+    for (int j = 0; j < NB; ++j) {
+      wv[j][0] = _mm256_loadu_ps(w + j * stride + 16 * k);
+      wv[j][1] = _mm256_loadu_ps(w + j * stride + 16 * k + 8);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+      for (int j = 0; j < NB; ++j) {
+        acc[m][j][0] = _mm256_fmadd_ps(xv, wv[j][0], acc[m][j][0]);
+        acc[m][j][1] = _mm256_fmadd_ps(xv, wv[j][1], acc[m][j][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      _mm256_storeu_ps(c + m * 64 + 16 * j, acc[m][j][0]);
+      _mm256_storeu_ps(c + m * 64 + 16 * j + 8, acc[m][j][1]);
+    }
+}
+
+// Rows x[0..rows) (rows <= AVX2_GEMM_MAX_ROWS) against `nbs` (<= 4) blocks of 16 outputs into c (as fma_block):
+// one row streams all four blocks at once; two rows take the blocks two at a time.
+inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const float* w, int64_t stride, int64_t nbs,
+                          float* c, const char* pf, int64_t pf_lines) {
+  for (int64_t m = 0; m < rows; m += 2) {
+    const float* xm = x + m * K;
+    float* cm = c + m * 64;
+    if (rows - m == 1) {
+      if (nbs == 4) fma_block_avx2<1, 4>(xm, K, w, stride, cm, pf, pf_lines);
+      else for (int64_t j = 0; j < nbs; ++j) fma_block_avx2<1, 1>(xm, K, w + j * stride, stride, cm + 16 * j);
+    } else {
+      int64_t j = 0;
+      for (; j + 2 <= nbs; j += 2)
+        fma_block_avx2<2, 2>(xm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
+      if (j < nbs) fma_block_avx2<2, 1>(xm, K, w + j * stride, stride, cm + 16 * j);
+    }
+    pf = nullptr;
+  }
+}
+#endif
+
+#if LLM_HAVE_AVX512
 // f(std::integral_constant<int, MB>{}) for MB = rows (1 to 6): the row count of a register block as a constant.
 template <typename F>
 inline void with_rows(int64_t rows, F&& f) {
@@ -222,12 +287,13 @@ inline void with_rows(int64_t rows, F&& f) {
 // Whether this build and this process can run small_gemm for bf16 (AMX: the kernel asks Linux for the tile state
 // once; or AVX512-BF16) or for fp32 (AVX-512) weights.
 bool small_gemm_available(bool bf16) {
-  if (!bf16) return LLM_HAVE_AVX512;
+  if (!bf16) return LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA;
   return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16;
 }
 
 // The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units.
 int64_t small_gemm_max_rows(bool bf16) {
+  if (!bf16 && LLM_HAVE_AVX2_FMA) return llm_cpu::AVX2_GEMM_MAX_ROWS;
   return bf16 && llm_cpu::amx_usable() ? llm_cpu::SMALL_GEMM_MAX_ROWS : llm_cpu::VECTOR_GEMM_MAX_ROWS;
 }
 
@@ -282,12 +348,17 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
               store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, c + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
 #endif
         } else {
+#if LLM_HAVE_AVX2_FMA
+          fma_rows_avx2(xs + m0 * K, rows, K, w, K * 16, nbs, c, pf, pf_lines);
+#endif
+#if LLM_HAVE_AVX2_FMA || LLM_HAVE_AVX512
 #if LLM_HAVE_AVX512
           with_rows(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, w, K * 16, c, pf, pf_lines);
             else for (int64_t j = 0; j < nbs; ++j) fma_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
           });
+#endif
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t n = 0; n < 16 * nbs; ++n)
               ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
@@ -303,7 +374,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
   if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(small_gemm_available(false), "small_gemm: AVX-512 is not available");
+    TORCH_CHECK(small_gemm_available(false), "small_gemm: neither AVX-512 nor AVX2 with FMA is available");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= small_gemm_max_rows(false)
                 && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.scalar_type() == at::kFloat,
                 "small_gemm: x fp32 [M <= ", small_gemm_max_rows(false), ", K] contiguous, packed [N / 16, K, 16]");
