@@ -11,6 +11,8 @@
 // keys are scored with AVX512-BF16's `vdpbf16ps` (pairs of exact products summed in fp32) where the CPU has it.
 // With AMX (bf16, blocks of whole 16-token tiles) `amx_decode_kernel` scores the keys on tiles instead, so that
 // the kernel's time is close to that of a plain reader of the same blocks.
+// On CPUs with AVX2 but no AVX-512 the fp32 tiles and the prefill block are written with 8-lane intrinsics instead
+// (`attend_tile_avx2`, the AVX2 `attend_tile_block`): GCC lowers the 16-float vector type there through the stack.
 // `generic_kernel` serves every other shape and fp16. `prefill_tile_kernel` (below) does the prompt rows of a
 // step, causal, over the same blocks (FlashAttention's tiling over query rows and keys, Dao et al. 2022).
 #include "common.h"
@@ -24,6 +26,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define LLM_AVX2_ONLY 1  // the 16-float vector type would be lowered to pairs of AVX2 registers through the stack
+#endif
 
 namespace llm_cpu {
 namespace {
@@ -176,6 +182,34 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
+#if defined(LLM_AVX2_ONLY)
+// exp_nonpositive (common.h) on 8 lanes: the same polynomial, the power of two set in the exponent bits.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_floor_ps(y);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float reduce8(__m256 v, bool max) {
+  __m128 x = max ? _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+                 : _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 y = _mm_movehl_ps(x, x);
+  x = max ? _mm_max_ps(x, y) : _mm_add_ps(x, y);
+  y = _mm_shuffle_ps(x, x, 1);
+  return _mm_cvtss_f32(max ? _mm_max_ss(x, y) : _mm_add_ss(x, y));
+}
+
+#endif
+
 #if defined(__AVX512BF16__)
 constexpr bool HAVE_BF16_DOT = true;
 // sum over lanes of the result = q . k over D dimensions, products exact, fp32 sums (AVX512-BF16 vdpbf16ps).
@@ -307,12 +341,89 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
     for (int c = 0; c < C; ++c) acc[g * C + c] = a[g][c];
 }
 
+#if defined(LLM_AVX2_ONLY)
+// fp32 decode on AVX2: the `group` query heads of one KV head (queries `qv`, fp32 and scaled, D floats each)
+// against `n` keys read in place. A dot product is D / 8 multiply-adds and a horizontal sum; the softmax runs on
+// 8 lanes; each value row, loaded a quarter row at a time, serves two heads' accumulators.
+template <int D>
+inline void attend_tile_avx2(int64_t group, const float* qv, const float* const* key_rows,
+                             const float* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
+                             float* acc, const TilePrefetch* ahead) {
+  alignas(32) float scores[MAX_GROUP][16];
+  for (int64_t g = 0; g < group; ++g) {
+    const float* q = qv + g * D;
+    for (int i = 0; i < n; ++i) {
+      if (g == 0) prefetch_row<float, D * sizeof(float), true>(ahead, i, kv_offset);
+      const float* key = key_rows[i] + kv_offset;
+      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
+      __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(key + 8));
+      for (int d = 16; d < D; d += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(key + d + 8), s1);
+      }
+      scores[g][i] = reduce8(_mm256_add_ps(s0, s1), false);
+    }
+  }
+  float alpha[MAX_GROUP];
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 valid_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+  const __m256 valid_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lanes));
+  for (int64_t g = 0; g < group; ++g) {
+    const __m256 x_lo = _mm256_blendv_ps(minus_inf, _mm256_load_ps(scores[g]), valid_lo);
+    const __m256 x_hi = _mm256_blendv_ps(minus_inf, _mm256_load_ps(scores[g] + 8), valid_hi);
+    const float m = std::max(maximum[g], reduce8(_mm256_max_ps(x_lo, x_hi), true));
+    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 e_lo = _mm256_and_ps(valid_lo, exp_nonpositive8(_mm256_sub_ps(x_lo, mv)));
+    const __m256 e_hi = _mm256_and_ps(valid_hi, exp_nonpositive8(_mm256_sub_ps(x_hi, mv)));
+    _mm256_store_ps(scores[g], e_lo);
+    _mm256_store_ps(scores[g] + 8, e_hi);
+    alpha[g] = exp_nonpositive(maximum[g] - m);
+    maximum[g] = m;
+    sum[g] = sum[g] * alpha[g] + reduce8(_mm256_add_ps(e_lo, e_hi), false);
+  }
+  for (int64_t g = 0; g < group; g += 2) {
+    const int heads = group - g >= 2 ? 2 : 1;
+    for (int c0 = 0; c0 < D; c0 += 32) {
+      __m256 a[2][4];
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_set1_ps(h < heads ? alpha[g + h] : 0.f);
+        for (int c = 0; c < 4; ++c)
+          a[h][c] = h < heads ? _mm256_mul_ps(_mm256_loadu_ps(acc + (g + h) * D + c0 + 8 * c), scale) : _mm256_setzero_ps();
+      }
+      for (int i = 0; i < n; ++i) {
+        if (g == 0 && c0 == 0) prefetch_row<float, D * sizeof(float), false>(ahead, i, kv_offset);
+        const float* row = value_rows[i] + kv_offset + c0;
+        const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+        const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 pb = _mm256_set1_ps(h < heads ? scores[g + h][i] : 0.f);
+          a[h][0] = _mm256_fmadd_ps(pb, v0, a[h][0]);
+          a[h][1] = _mm256_fmadd_ps(pb, v1, a[h][1]);
+          a[h][2] = _mm256_fmadd_ps(pb, v2, a[h][2]);
+          a[h][3] = _mm256_fmadd_ps(pb, v3, a[h][3]);
+        }
+      }
+      for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + (g + h) * D + c0 + 8 * c, a[h][c]);
+    }
+  }
+}
+#endif
+
 // The query heads of one KV head, `NG_MAX` at a time (their accumulators must fit the 32 vector registers).
 template <typename T, int D, bool BF16_DOT>
 inline void attend_tile_group(int64_t group, const T* const* q_raw, const vf16* qv, const T* const* key_rows,
                               const T* const* value_rows, int64_t kv_offset, const vf16* kt, const vf16* vt, int n, float scale, float* maximum,
                               float* sum, vf16* acc, const TilePrefetch* ahead) {
   constexpr int C = D / 16, NG_MAX = D == 64 ? 4 : 2;
+#if defined(LLM_AVX2_ONLY)
+  if constexpr (std::is_same_v<T, float>) {
+    attend_tile_avx2<D>(group, reinterpret_cast<const float*>(qv), key_rows, value_rows, kv_offset, n, maximum, sum,
+                        reinterpret_cast<float*>(acc), ahead);
+    return;
+  }
+#endif
   for (int64_t g = 0; g < group; g += NG_MAX) {
     const int64_t count = std::min<int64_t>(NG_MAX, group - g);
     const T* const* qr = q_raw + g;
@@ -481,6 +592,13 @@ template <int D>
 inline void amx_pv_group(int64_t group, const bf16* const* value_rows, int64_t kv_offset, const float* p,
                          const float* alpha, int col0, int n, vf16* acc) {
   constexpr int C = D / 16, NG_MAX = D == 64 ? 4 : 2;
+#if defined(LLM_AVX2_ONLY)
+  if constexpr (std::is_same_v<T, float>) {
+    attend_tile_avx2<D>(group, reinterpret_cast<const float*>(qv), key_rows, value_rows, kv_offset, n, maximum, sum,
+                        reinterpret_cast<float*>(acc), ahead);
+    return;
+  }
+#endif
   for (int64_t g = 0; g < group; g += NG_MAX) {
     const int count = static_cast<int>(std::min<int64_t>(NG_MAX, group - g));
     const int col = col0 + static_cast<int>(g);
@@ -595,8 +713,7 @@ void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf
 // as one vector with no horizontal sums), and row r (position seq_len - q_len + r) stops at its own position.
 // Queries go by `VECTORS` at a time, their multiply-adds independent: a small register-blocked GEMM per tile.
 constexpr int64_t QUERY_ROWS = 16;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define LLM_PREFILL_AVX2 1
+#if defined(LLM_AVX2_ONLY)
 constexpr int VECTORS = 2;  // AVX2's 16 registers hold two vectors' accumulators for a quarter row of D
 #else
 constexpr int VECTORS = 4;
@@ -663,32 +780,7 @@ inline void softmax_tile(const vf16* s, const int* n, int count, float* maxima, 
   }
 }
 
-#if defined(LLM_PREFILL_AVX2)
-// exp_nonpositive (common.h) on 8 lanes: the same polynomial, the power of two set in the exponent bits.
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_floor_ps(y);
-  const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-inline float reduce8(__m256 v, bool max) {
-  __m128 x = max ? _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
-                 : _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 y = _mm_movehl_ps(x, x);
-  x = max ? _mm_max_ps(x, y) : _mm_add_ps(x, y);
-  y = _mm_shuffle_ps(x, x, 1);
-  return _mm_cvtss_f32(max ? _mm_max_ss(x, y) : _mm_add_ss(x, y));
-}
-
+#if defined(LLM_AVX2_ONLY)
 // The AVX2 form of the block below, written with 8-lane intrinsics: GCC lowers the 16-float vector type to pairs
 // of AVX2 registers through the stack, which made this loop about ten times slower than SDPA. Scores: two
 // registers (the tile's keys 0-7 and 8-15) per query vector; the softmax on 8 lanes; values summed a quarter
