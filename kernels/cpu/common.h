@@ -53,17 +53,16 @@ inline float round_to<float>(float x) { return x; }
 // e^x for x <= 0, written so the compiler can vectorize it (std::exp is a scalar call per element):
 // 2^(x log2 e) split into an integer power, set in the exponent bits, and a degree-6 polynomial for 2^f,
 // f in [0, 1); relative error below 2e-7.
+// The polynomial's coefficients, highest degree first (Horner's scheme), shared by the vector forms.
+constexpr float EXP2_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+
 inline float exp_nonpositive(float x) {
   float y = std::max(x * 1.44269504088896341f, -126.f);
   float n = std::floor(y);
   float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
+  float p = EXP2_POLY[0];
+  for (int i = 1; i < 7; ++i) p = p * f + EXP2_POLY[i];
   uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
