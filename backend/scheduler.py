@@ -141,6 +141,7 @@ class Scheduler:
         """
         token_budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_budget()  # work units: prefill tokens, plus one per request
+        charged: dict[str, int] = {}  # prefill units taken by each request scheduled this step
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         if self._drafts:
@@ -155,6 +156,7 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
+                charged[request.request_id] = num_new + 1
                 prefill_budget -= num_new + 1
             if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
                 drafts = self._propose(request, token_budget)
@@ -167,9 +169,11 @@ class Scheduler:
             while not self.kv.allocate_slots(request, num_new):
                 victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
                 victim = self.running.pop(victim_index)
-                if victim_index < i:  # already scheduled this step: give its tokens back
-                    k = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
-                    token_budget += scheduled.pop(k)[1]
+                prefill_budget += charged.pop(victim.request_id, 0)
+                if victim_index < i:  # passed already: give its tokens back (none if the budget skipped it)
+                    k = next((k for k, (r, _) in enumerate(scheduled) if r is victim), None)
+                    if k is not None:
+                        token_budget += scheduled.pop(k)[1]
                     i -= 1
                 self._preempt(victim)
                 preempted = True
@@ -183,8 +187,10 @@ class Scheduler:
         while not preempted and self.waiting and token_budget > 0:
             request = self.waiting[0]
             if len(self.running) >= self.max_num_seqs:
-                if not self._preempt_for(request, scheduled):
+                victim = self._preempt_for(request, scheduled)
+                if victim is None:
                     break
+                prefill_budget += charged.pop(victim.request_id, 0)
                 token_budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
                 continue
             # New or preempted: it holds no blocks. Prompt logprobs need every prompt position's logits.
@@ -195,8 +201,10 @@ class Scheduler:
             if num_new <= 0:
                 break
             if not self.kv.allocate_slots(request, num_new, cached):
-                if not self._preempt_for(request, scheduled):
+                victim = self._preempt_for(request, scheduled)
+                if victim is None:
                     break
+                prefill_budget += charged.pop(victim.request_id, 0)
                 token_budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
                 continue
             request.num_computed_tokens += num_cached
@@ -209,6 +217,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             token_budget -= num_new
+            charged[request.request_id] = num_new + 1
             prefill_budget -= num_new + 1
 
         scheduled.sort(key=lambda item: item[1] != 1)  # decodes first; stable within each group
@@ -259,22 +268,22 @@ class Scheduler:
         room = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1)
         return self.proposer.propose(request.token_ids, room) if room > 0 else []
 
-    def _preempt_for(self, request: Request, scheduled: list[tuple[Request, int]]) -> bool:
+    def _preempt_for(self, request: Request, scheduled: list[tuple[Request, int]]) -> Request | None:
         """Makes room for the waiting ``request`` by preempting the running request with the highest priority
         value (the newest among equals), if that value is higher than ``request``'s (vLLM's priority policy)
         and no request admitted this step took one of the blocks it fills this step as a prefix-cache hit;
-        a victim scheduled earlier this step is taken out of ``scheduled``. Returns whether one was."""
+        a victim scheduled earlier this step is taken out of ``scheduled``. Returns the victim, or None."""
         if not self.running:
-            return False
+            return None
         victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
         victim = self.running[victim_index]
         # A victim whose blocks of this step a request admitted after it took as hits must compute them.
         if victim.priority <= request.priority or self.kv.shares_unwritten_blocks(victim):
-            return False
+            return None
         self.running.pop(victim_index)
         scheduled[:] = [(r, n) for r, n in scheduled if r is not victim]
         self._preempt(victim)
-        return True
+        return victim
 
     def _preempt(self, request: Request) -> None:
         self._drafts.pop(request.request_id, None)

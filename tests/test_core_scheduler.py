@@ -498,3 +498,19 @@ def test_step_cost_fits_the_base_and_the_cost_per_unit_of_noisy_steps():
     assert base == pytest.approx(0.028, rel=0.25) and per_unit == pytest.approx(0.0016, rel=0.1)
     assert cost.units_within(0.100, 10) == pytest.approx((0.100 - base) / per_unit - 10, abs=1)
     assert cost.units_within(0.010, 0) == 0  # below the base: nothing fits
+
+
+def test_a_preempted_chunk_gives_its_prefill_budget_back_to_the_request_that_preempted_it():
+    """max_num_seqs 1: a priority-0 request preempts the priority-1 prompt whose chunk had taken the whole step time
+    budget (8 units of 8: steps cost 2 ms + 1 ms per unit, max_step_ms 10); the victim's units go back, so the
+    urgent request runs in that same step instead of the step coming out empty."""
+    sim = CoreSim(num_blocks=64, block_size=1, max_num_seqs=1, max_num_batched_tokens=8, max_step_ms=10)
+    sim.add_prompt("warm", tokens(0, 1), max_tokens=3)
+    sim.run()  # steps of 2 units
+    (low,) = sim.add_prompt("low", tokens(5, 15), max_tokens=1, priority=1)
+    assert sim.step().num_scheduled_tokens == [8]  # alone: a full chunk; now the fit has two sizes of step
+    (urgent,) = sim.add_prompt("urgent", tokens(30, 1), max_tokens=1, priority=0)
+    out = sim.step()
+    assert [s.request_id for s in out.scheduled] == ["urgent"] and low.status == RequestStatus.PREEMPTED
+    sim.run()
+    assert (low.output_token_ids, low.status) == expected_output(tokens(5, 15), 1)
