@@ -582,13 +582,6 @@ template <int D>
 inline void amx_pv_group(int64_t group, const bf16* const* value_rows, int64_t kv_offset, const float* p,
                          const float* alpha, int col0, int n, vf16* acc) {
   constexpr int C = D / 16, NG_MAX = D == 64 ? 4 : 2;
-#if defined(LLM_AVX2_ONLY)
-  if constexpr (std::is_same_v<T, float>) {
-    attend_tile_avx2<D>(group, reinterpret_cast<const float*>(qv), key_rows, value_rows, kv_offset, n, maximum, sum,
-                        reinterpret_cast<float*>(acc), ahead);
-    return;
-  }
-#endif
   for (int64_t g = 0; g < group; g += NG_MAX) {
     const int count = static_cast<int>(std::min<int64_t>(NG_MAX, group - g));
     const int col = col0 + static_cast<int>(g);
