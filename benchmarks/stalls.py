@@ -205,9 +205,10 @@ def _cases() -> list[Case]:
              ("200 ok",), settle_s=1.0),
         Case("chunked_flood", "1,000,000 one-byte chunks to the frontend (a valid completion request)",
              lambda o, t: _chunked_flood(f"{o}/v1/completions", flood()), ("200 ok", "413 request_too_large")),
-        Case("schema_compile_timeout", "response_format schema within bounds, over the 10 s compile deadline",
+        Case("schema_compile_timeout", "response_format schema within bounds, over the 10 s compile deadline "
+             "(in CPU time: a 503 when the compile, at a lower priority, got under 10 CPU-seconds in 30 s)",
              lambda o, t: _post(f"{o}/v1/chat/completions", _schema_chat(slow_schema(320 + time.time_ns() % 20))),
-             ("400 invalid_request",)),
+             ("400 invalid_request", "503 service_unavailable")),
         Case("chunked_flood_triton", "1,000,000 one-byte chunks to Triton's HTTP generate (loopback only)",
              lambda o, t: _chunked_flood(f"{t}/v2/models/llm/generate", triton_flood()), ("200", "400")),
     ]
@@ -221,9 +222,11 @@ def case_names() -> list[str]:
 DEFAULT_CASES = [name for name in case_names() if name != "chunked_flood_triton"]
 
 
-def _sender(conn, openai_url: str, triton_url: str) -> None:
+def _sender(conn, openai_url: str, triton_url: str, sender_priority: str = "normal") -> None:
     """The sender process: builds the cases once, then per ("run", name, until) sends that case's request
     repeatedly until ``until`` (``time.time()``), at least once, and answers with the outcomes."""
+    if sender_priority == "idle":
+        _lowest_priority()
     cases = {c.name: c for c in _cases()}
     conn.send("ready")
     while (message := conn.recv()) is not None:
@@ -235,6 +238,22 @@ def _sender(conn, openai_url: str, triton_url: str) -> None:
             if time.time() >= until:
                 break
         conn.send(outcomes)
+
+
+def _lowest_priority() -> None:
+    """The sender as a stand-in for a client on another machine: it runs only when the CPU is otherwise idle
+    (``SCHED_IDLE``, nice 19, in a new POSIX session whose autogroup is at nice 19, so that the kernel's
+    autogroups do not weigh it as much as the stack)."""
+    os.setsid()
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:
+        pass
+    os.nice(19)
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        pass
 
 
 def _safe(send, *args) -> str:
@@ -350,12 +369,13 @@ def summarize(before: dict, during: dict) -> dict:
 class Bench:
     """The running stack, the sender process and the watch; :meth:`run` measures one case."""
 
-    def __init__(self, openai_url: str, triton_http_url: str) -> None:
+    def __init__(self, openai_url: str, triton_http_url: str, sender_priority: str = "normal") -> None:
         self.openai_url = openai_url
         self.triton_http_url = triton_http_url
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.sender = context.Process(target=_sender, args=(child, openai_url, triton_http_url), daemon=True)
+        self.sender = context.Process(target=_sender, args=(child, openai_url, triton_http_url, sender_priority),
+                                      daemon=True)
         self.sender.start()
         if not self.conn.poll(120) or self.conn.recv() != "ready":
             raise RuntimeError("the sender process did not start")
@@ -443,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{','.join(sorted(set(case_names()) - set(DEFAULT_CASES)))}, which ends the stack)")
     parser.add_argument("--baseline-s", type=float, default=3.0, help="seconds of the baseline window")
     parser.add_argument("--heavy-s", type=float, default=2.0, help="the heavy request is repeated for this long")
+    parser.add_argument("--sender-priority", choices=("normal", "idle"), default="normal",
+                        help="the heavy requests' sender process: at the default priority, sharing the CPUs with "
+                             "the stack (a client on the same machine), or idle (runs only when the CPUs are "
+                             "otherwise idle: a stand-in for a client on another machine)")
     parser.add_argument("--output-dir", default="results/stalls")
     parser.add_argument("--openai-url", help="measure a running stack instead (with --triton-http-url)")
     parser.add_argument("--triton-http-url", default="http://127.0.0.1:8000")
@@ -457,14 +481,14 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python -m benchmarks.stalls", *(sys.argv[1:] if argv is None else argv)]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {**machine_info(0), "cpus": os.cpu_count()},
-              "engine_settings": ENGINE_SETTINGS, "rows": []}
+              "engine_settings": ENGINE_SETTINGS, "sender_priority": args.sender_priority, "rows": []}
     server = None
     if args.openai_url:
         openai_url, triton_url = args.openai_url.rstrip("/"), args.triton_http_url.rstrip("/")
     else:
         server = start_stack(Path(tempfile.mkdtemp(prefix="bench-stalls-")))
         openai_url, triton_url = server.openai_url, server.http_url
-    bench = Bench(openai_url, triton_url)
+    bench = Bench(openai_url, triton_url, args.sender_priority)
     try:
         for name in names:
             row = bench.run(name, args.baseline_s, args.heavy_s)
