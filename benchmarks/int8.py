@@ -2,12 +2,15 @@
 
 ``python -m benchmarks.int8 quality [--windows N] [--window-tokens T] [--max-tokens N]``: the perplexity of the
 default model (SmolLM2-135M-Instruct) on the benchmark's English corpus (``benchmarks.workload.corpus_text``) with
-the engine in fp32, bf16 and bf16 + int8 weights, each window's tokens scored by its own prefill (prompt logprobs),
-and how many of :data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to bf16.
+the engine in fp32, bf16 and with int8 weights (bf16 activations where the CPU has AVX512-BF16, fp32 on AVX2),
+each window's tokens scored by its own prefill (prompt logprobs), and how many of
+:data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to the same activations' float
+weights.
 
 ``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
 (QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
-``repeats``): ``int8_gemm`` (bf16 activations) against ``small_gemm`` with bf16 and fp32 weights. A decode step of
+``repeats``): ``int8_gemm`` (bf16 activations, or fp32 on AVX2) against ``small_gemm`` with bf16 and fp32 weights
+(past the rows ``small_gemm`` takes, and for bf16 without AVX512-BF16: ``F.linear``). A decode step of
 the model runs this once per layer. Each timing runs through as many copies of the layer as make its int8 weights
 at least :data:`STREAMED_BYTES`, so that the weights stream from memory as in a whole step, not from the L3 cache.
 """
@@ -61,11 +64,19 @@ def corpus_windows(num_windows: int, window_tokens: int) -> list[list[int]]:
     return [ids[i * window_tokens:(i + 1) * window_tokens] for i in range(num_windows)]
 
 
-def greedy_agreement(max_tokens: int) -> tuple[int, int, list[int]]:
-    """(identical outputs, prompts, first divergent output index of each other one): int8 against bf16."""
+def int8_activations() -> str:
+    """The activations' dtype int8 weights run with here: bfloat16 with AVX512-BF16, else float32."""
+    from kernels import cpu
+
+    return "bfloat16" if cpu.int8_gemm_available(torch.bfloat16) else "float32"
+
+
+def greedy_agreement(max_tokens: int, dtype: str) -> tuple[int, int, list[int]]:
+    """(identical outputs, prompts, first divergent output index of each other one): int8 against float weights,
+    both with ``dtype`` activations."""
     from benchmarks.dtype_agreement import PROMPTS, greedy_outputs
 
-    outputs = [greedy_outputs("bfloat16", max_tokens, quantization) for quantization in ("none", "int8")]
+    outputs = [greedy_outputs(dtype, max_tokens, quantization) for quantization in ("none", "int8")]
     diverged = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 for a, b in zip(*outputs) if a != b]
     return len(PROMPTS) - len(diverged), len(PROMPTS), sorted(diverged)
@@ -89,19 +100,26 @@ def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, 
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=generator) * 0.02 for n, k in shapes]
     copies = -(-STREAMED_BYTES // sum(n * k for n, k in shapes))
-    packs = {"int8": [cpu.int8_gemm_pack(w) for _ in range(copies) for w in weights],
-             "bf16": [cpu.small_gemm_pack(w.bfloat16()) for _ in range(copies) for w in weights],
-             "fp32": [cpu.small_gemm_pack(w) for _ in range(copies) for w in weights]}
+    int8_dtype = getattr(torch, int8_activations())
+    packs = {"int8": [cpu.int8_gemm_pack(w) for _ in range(copies) for w in weights]}
+    for kind, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        plain = [w.to(dtype) for _ in range(copies) for w in weights]
+        packs[kind] = ([cpu.small_gemm_pack(w) for w in plain] if cpu.small_gemm_available(dtype) else [], plain)
+
+    def float_gemm(kind: str, dtype: torch.dtype, m: int):
+        small = bool(packs[kind][0]) and m <= cpu.small_gemm_max_rows(dtype)
+        return (cpu.small_gemm, packs[kind][0]) if small else (torch.nn.functional.linear, packs[kind][1])
+
     results = []
     for m in rows:
         xs = [torch.randn(m, k, generator=generator) for _, k in shapes] * copies
         times = []
-        for kind, gemm, dtype in (("int8", cpu.int8_gemm, torch.bfloat16), ("bf16", cpu.small_gemm, torch.bfloat16),
-                                  ("fp32", cpu.small_gemm, torch.float32)):
+        for kind, dtype in (("int8", int8_dtype), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            gemm, weights_of_kind = (cpu.int8_gemm, packs["int8"]) if kind == "int8" else float_gemm(kind, dtype, m)
             inputs = [x.to(dtype) for x in xs]
 
             def run():
-                for x, packed in zip(inputs, packs[kind]):
+                for x, packed in zip(inputs, weights_of_kind):
                     gemm(x, packed)
             run()
             best = math.inf
@@ -129,16 +147,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "quality":
         windows = corpus_windows(args.windows, args.window_tokens)
-        for label, dtype, quantization in (("fp32", "float32", "none"), ("bf16", "bfloat16", "none"),
-                                           ("bf16 + int8 weights", "bfloat16", "int8"),
-                                           ("fp32 + int8 weights", "float32", "int8")):
+        runs = [("fp32", "float32", "none"), ("bf16", "bfloat16", "none"), ("fp32 + int8 weights", "float32", "int8")]
+        if int8_activations() == "bfloat16":
+            runs.insert(2, ("bf16 + int8 weights", "bfloat16", "int8"))
+        for label, dtype, quantization in runs:
             print(f"perplexity {label}: {perplexity(quantization, dtype, windows):.4f}")
-        same, total, diverged = greedy_agreement(args.max_tokens)
-        print(f"greedy int8 vs bf16: identical {same} of {total}; first divergence at output tokens {diverged}")
+        dtype = int8_activations()
+        same, total, diverged = greedy_agreement(args.max_tokens, dtype)
+        print(f"greedy int8 vs {dtype} weights ({dtype} activations): identical {same} of {total}; first divergence "
+              f"at output tokens {diverged}")
     else:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
         print(f"one layer of {args.shape}, ms (best of {args.repeats}, {torch.get_num_threads()} threads)")
-        print("rows  int8   bf16   fp32")
+        print(f"rows  int8 ({int8_activations()} activations)   bf16   fp32")
         for m, int8_ms, bf16_ms, fp32_ms in layer_gemm_ms(args.shape, rows, args.repeats):
             print(f"{m:4d} {int8_ms:6.2f} {bf16_ms:6.2f} {fp32_ms:6.2f}")
 

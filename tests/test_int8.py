@@ -12,11 +12,14 @@ from backend import EngineConfig, SamplingParams
 from backend.models.layers import Linear
 from conftest import ReferenceModel, assert_matches_reference, run_to_completion
 
-pytestmark = pytest.mark.skipif(not kernels.cpu.int8_gemm_available(torch.bfloat16),
-                                reason="kernels/cpu without AVX-512 and AVX512-BF16")
+pytestmark = pytest.mark.skipif(not kernels.cpu.int8_gemm_available(torch.float32),
+                                reason="kernels/cpu without AVX-512 or AVX2 with FMA")
+_NO_BF16 = pytest.mark.skipif(not kernels.cpu.int8_gemm_available(torch.bfloat16), reason="no AVX512-BF16")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=_NO_BF16)]
+DTYPE_NAMES = ["float32", pytest.param("bfloat16", marks=_NO_BF16)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 130), (80, 1000)])
 def test_int8_gemm_equals_dequantized_matmul(dtype, n, k):
     torch.manual_seed(n + k)
@@ -26,7 +29,7 @@ def test_int8_gemm_equals_dequantized_matmul(dtype, n, k):
     # Per-channel symmetric quantization: each weight within half a step (scale / 2) of the original.
     step = weight.abs().amax(1, keepdim=True) / 127
     assert ((dequantized - weight).abs() <= step / 2 + 1e-7).all()
-    for m in (1, 2, 5, 6, 7, 13, 64):
+    for m in (1, 2, 5, 6, 7, 13, 16, 17, 64):  # AVX2: a kernel call takes 16 rows, more are one oneDNN GEMM
         x = torch.randn(m, k).to(dtype)
         for bias in (None, torch.randn(n).to(dtype)):
             want = x.double() @ dequantized.double().T + (0 if bias is None else bias.double())
@@ -38,17 +41,19 @@ def test_int8_gemm_equals_dequantized_matmul(dtype, n, k):
                 torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_gemm_rows_do_not_depend_on_the_batch(dtype):
     # Each output's sum runs in one order whatever the row count (bf16 from 128 rows widens the weights once per
-    # group instead of per pass): a request's greedy tokens do not depend on what it is batched with.
+    # group instead of per pass): a request's greedy tokens do not depend on what it is batched with, within
+    # the rows one kernel call takes (all 140 with AVX-512; 16 on AVX2, whose larger batches are oneDNN GEMMs).
     torch.manual_seed(1)
     weight = torch.randn(80, 1100) * 0.05  # K over one staged run of 512 pairs
     packed = kernels.cpu.int8_gemm_pack(weight)
     bias = torch.randn(80).to(dtype)
-    x = torch.randn(140, 1100).to(dtype)
+    rows = min(140, kernels.cpu.int8_gemm_max_rows())
+    x = torch.randn(rows, 1100).to(dtype)
     batched = kernels.cpu.int8_gemm(x, packed, bias)
-    for i in (*range(13), 77, 139):
+    for i in sorted({*range(min(13, rows)), rows // 2, rows - 1}):
         assert torch.equal(batched[i:i + 1], kernels.cpu.int8_gemm(x[i:i + 1], packed, bias)), f"row {i}"
 
 
@@ -134,7 +139,7 @@ def test_int8_engine_equals_transformers_on_the_dequantized_weights(family, make
         assert_matches_reference(got, want, logits, f"prompt {i}")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
 def test_int8_decode_in_one_call_equals_the_layer_loop(make_engine, tiny_model_dir, dtype):
     prompts = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 3, list(range(300, 317))]
     results = []
@@ -152,13 +157,15 @@ def test_int8_decode_in_one_call_equals_the_layer_loop(make_engine, tiny_model_d
 
 @pytest.mark.real_model
 def test_int8_perplexity_of_the_real_model_within_one_percent_of_bf16():
+    """bf16 activations where the CPU has AVX512-BF16; fp32 elsewhere (the same int8 weights)."""
     from benchmarks.int8 import corpus_windows, perplexity
 
+    dtype = "bfloat16" if kernels.cpu.int8_gemm_available(torch.bfloat16) else "float32"
     windows = corpus_windows(2, 256)
-    bf16 = perplexity("none", "bfloat16", windows)
-    int8 = perplexity("int8", "bfloat16", windows)
-    assert 1 < bf16 < 100
-    assert abs(int8 - bf16) / bf16 < 0.01, f"int8 perplexity {int8:.4f}, bf16 {bf16:.4f}"
+    base = perplexity("none", dtype, windows)
+    int8 = perplexity("int8", dtype, windows)
+    assert 1 < base < 100
+    assert abs(int8 - base) / base < 0.01, f"int8 perplexity {int8:.4f}, {dtype} {base:.4f}"
 
 
 def test_benchmark_passes_quantization_to_our_engine():

@@ -97,7 +97,7 @@ class Linear(torch.nn.Module):
 
 def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
     """Why ``weight`` ``[out_features, in_features]`` cannot be quantized for ``cpu_ops.int8_gemm`` (None when it
-    can): its kernel needs a CPU, the C++ kernels built with AVX-512 (and AVX512-BF16 for bf16), fp32 or bf16
+    can): its kernel needs a CPU, the C++ kernels built with AVX-512 or AVX2 and FMA (AVX512-BF16 for bf16), fp32 or bf16
     activations (the weight's dtype), out_features a multiple of 16 and in_features even."""
     if weight.device.type != "cpu":
         return f"the int8 GEMM is a CPU kernel, the weights are on {weight.device}"
@@ -109,7 +109,7 @@ def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
     if not cpu_ops.available():
         return "the C++ CPU kernels (kernels/cpu) did not build on this machine"
     if not cpu_ops.int8_gemm_available(weight.dtype):
-        needs = "AVX512-BF16" if weight.dtype == torch.bfloat16 else "AVX-512"
+        needs = "AVX512-BF16" if weight.dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return f"the C++ CPU kernels were built without {needs} (needed for {weight.dtype} activations)"
     return None
 

@@ -11,6 +11,8 @@
 // by 2 blocks of 16 outputs (each widened vector serves 12 rows: the widening costs about as much as the products);
 // for fp32 activations with fp32 multiply-adds, 6 rows by 2 blocks. The sums are exact products of x and the
 // integers, accumulated in fp32 and scaled once per output at the end; results are rounded to x's dtype once.
+// On AVX2 with FMA (no AVX-512) the fp32 form runs in 8-lane registers for up to 16 rows; the Python side sends larger
+// calls to oneDNN on weights dequantized for the call.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -74,6 +76,71 @@ inline void int8_block_fp32(const float* x, int64_t K, const int8_t* w, int64_t 
                                        _mm512_permutex2var_ps(acc[m][j][0], odd, acc[m][j][1]));
       _mm512_storeu_ps(c + m * 64 + 16 * j, _mm512_mul_ps(sum, scale));
     }
+  }
+}
+#endif
+
+#if LLM_HAVE_AVX2_FMA
+// Rows one int8_gemm call takes on AVX2 (two at a time, the group's weights widened again for each pair from L2);
+// more rows are one oneDNN GEMM on the dequantized weights (kernels.cpu.int8_gemm).
+constexpr int64_t INT8_AVX2_MAX_ROWS = 16;
+
+// int8_block_fp32 on AVX2: a k pair's 16 outputs are four 8-lane registers (outputs 4q..4q+3, each lane pair the
+// output's even and odd k), widened straight from memory (vpmovsxbd of 8 bytes, vcvtdq2ps). MB * NB <= 2 keeps the
+// 4 * MB * NB accumulators, the widened weights and the broadcast pair within the 16 registers.
+template <int MB, int NB>
+inline void int8_block_fp32_avx2(const float* x, int64_t K, const int8_t* w, int64_t stride, float* c,
+                                 const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
+  __m256 acc[MB][NB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j)
+      for (int q = 0; q < 4; ++q) acc[m][j][q] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch_share(pf, pf_lines, pf_step, p);
+    __m256 wv[NB][4];
+    for (int j = 0; j < NB; ++j)
+      for (int q = 0; q < 4; ++q)
+        wv[j][q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * stride + 32 * p + 8 * q))));
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + m * K + 2 * p)));
+      for (int j = 0; j < NB; ++j)
+        for (int q = 0; q < 4; ++q) acc[m][j][q] = _mm256_fmadd_ps(xv, wv[j][q], acc[m][j][q]);
+    }
+  }
+  // hadd of outputs 0..3 and 4..7 gives (n0, n1, n4, n5, n2, n3, n6, n7); the 64-bit lanes reordered (0, 2, 1, 3).
+  for (int j = 0; j < NB; ++j) {
+    const float* scale = reinterpret_cast<const float*>(w + j * stride + 16 * K);
+    const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(
+          _mm256_castps_pd(_mm256_hadd_ps(acc[m][j][0], acc[m][j][1])), 0xD8));
+      const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(
+          _mm256_castps_pd(_mm256_hadd_ps(acc[m][j][2], acc[m][j][3])), 0xD8));
+      _mm256_storeu_ps(c + m * 64 + 16 * j, _mm256_mul_ps(lo, scale_lo));
+      _mm256_storeu_ps(c + m * 64 + 16 * j + 8, _mm256_mul_ps(hi, scale_hi));
+    }
+  }
+}
+
+// Rows x[0..rows) (rows <= 6) against `nbs` (<= 4) int8 blocks into c (as int8_block_fp32): one row takes the
+// blocks two at a time, two rows one block at a time.
+inline void int8_rows_avx2(const float* x, int64_t rows, int64_t K, const int8_t* w, int64_t stride, int64_t nbs,
+                           float* c, const char* pf, int64_t pf_lines) {
+  for (int64_t m = 0; m < rows; m += 2) {
+    const float* xm = x + m * K;
+    float* cm = c + m * 64;
+    if (rows - m == 1) {
+      int64_t j = 0;
+      for (; j + 2 <= nbs; j += 2)
+        int8_block_fp32_avx2<1, 2>(xm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
+      if (j < nbs) int8_block_fp32_avx2<1, 1>(xm, K, w + j * stride, stride, cm + 16 * j);
+    } else {
+      for (int64_t j = 0; j < nbs; ++j)
+        int8_block_fp32_avx2<2, 1>(xm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
+    }
+    pf = nullptr;
   }
 }
 #endif
@@ -171,11 +238,18 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 }  // namespace
 }  // namespace llm_cpu
 
-// Whether this build runs int8_gemm: AVX-512 for fp32 activations; bf16 activations also need AVX512-BF16.
-bool int8_gemm_available(bool bf16) { return bf16 ? LLM_HAVE_AVX512_BF16 : LLM_HAVE_AVX512; }
+// Whether this build runs int8_gemm: AVX-512 or AVX2 with FMA for fp32 activations; bf16 activations need
+// AVX512-BF16.
+bool int8_gemm_available(bool bf16) { return bf16 ? LLM_HAVE_AVX512_BF16 : LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA; }
 
-// The most rows one int8_gemm call takes.
-int64_t int8_gemm_max_rows() { return llm_cpu::INT8_GEMM_MAX_ROWS; }
+// The most rows one int8_gemm call takes: 256 with AVX-512, 16 on AVX2.
+int64_t int8_gemm_max_rows() {
+#if LLM_HAVE_AVX2_FMA
+  return llm_cpu::INT8_AVX2_MAX_ROWS;
+#else
+  return llm_cpu::INT8_GEMM_MAX_ROWS;
+#endif
+}
 
 // weight [N, K] fp32 or bf16, N % 16 == 0, K even -> int8 [N / 16, 16 * K + 64]: per block of 16 outputs, for each
 // pair of consecutive k the 16 outputs' two int8 values q = round(w / scale) (|q| <= 127, ties away from zero),
@@ -245,9 +319,10 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
 void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ", bf16_x ? "AVX512-BF16" : "AVX-512");
+  TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ",
+              bf16_x ? "AVX512-BF16" : "AVX-512 and no AVX2 with FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
-              && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
+              && x.size(0) <= int8_gemm_max_rows(), "int8_gemm: x fp32 or bf16 [M <= ", int8_gemm_max_rows(),
               ", K] contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
@@ -257,7 +332,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
               && out.scalar_type() == x.scalar_type(), "int8_gemm: out [M, N] contiguous, x's dtype");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
               "int8_gemm: bias [N] of x's dtype");
-#if LLM_HAVE_AVX512
+#if LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int64_t groups = (NB + 3) / 4;
   std::atomic<int64_t> taken{0};
@@ -286,8 +361,8 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
         const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
         if (bf16_x) {
-          const float* sum = c;  // the pass's rows' scaled sums, 64 apart
 #if LLM_HAVE_AVX512_BF16
+          const float* sum = c;  // the pass's rows' scaled sums, 64 apart
           if (M >= STAGED_MIN_ROWS) {
             if (m0 == 0) staged_group(x, K, w, stride, nbs, staged, reinterpret_cast<float*>(sums.data()));
             sum = reinterpret_cast<const float*>(sums.data()) + m0 * 64;
@@ -310,15 +385,18 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
                 });
             }
           }
-#endif
           bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
           const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t j = 0; j < nbs; ++j)
               store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+#endif
         } else {
           // Two blocks at a time: 2 accumulators per row and block (even and odd k) fill the registers.
           const float* xs = x.data_ptr<float>() + m0 * K;
+#if LLM_HAVE_AVX2_FMA
+          int8_rows_avx2(xs, rows, K, w, stride, nbs, c, pf, pf_lines);
+#else
           with_rows(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             for (int64_t j = 0; j < nbs; j += 2) {
@@ -327,6 +405,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
               else int8_block_fp32<MB, 1>(xs, K, w + j * stride, stride, c + 16 * j);
             }
           });
+#endif
           float* ys = out.data_ptr<float>();
           const float* bs = bias ? bias->data_ptr<float>() : nullptr;
           for (int64_t m = 0; m < rows; ++m)
