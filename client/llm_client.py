@@ -46,12 +46,14 @@ class LLMClient:
 
     Args:
         grpc_url: ``host:port`` of Triton's gRPC endpoint.
-        http_url: ``http://host:port`` of Triton's HTTP endpoint.
+        http_url: ``http://host:port`` of Triton's HTTP endpoint (``host:port`` means ``http://host:port``).
         model / version: the model name and version ("" = the server's choice, by version_policy).
     """
 
     def __init__(self, grpc_url: str = "localhost:8001", http_url: str = "http://localhost:8000",
                  model: str = "llm", version: str = "") -> None:
+        # "host:port" as --grpc-url takes it: the scheme is implied.
+        http_url = http_url if "://" in http_url else f"http://{http_url}"
         self.grpc_url, self.http_url = grpc_url, http_url.rstrip("/")
         self.model, self.version = model, version
         self._grpc: grpcclient.InferenceServerClient | None = None
@@ -68,9 +70,16 @@ class LLMClient:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         finished = False
         try:
-            client.async_stream_infer(self.model, self.grpc_inputs(prompt, stop, True, **sampling),
-                                      model_version=self.version, request_id=uuid.uuid4().hex,
-                                      enable_empty_final_response=True)
+            try:
+                client.async_stream_infer(self.model, self.grpc_inputs(prompt, stop, True, **sampling),
+                                          model_version=self.version, request_id=uuid.uuid4().hex,
+                                          enable_empty_final_response=True)
+            except InferenceServerException as exc:  # the stream broke first (no server): its callback says why
+                try:
+                    _, error = responses.get(timeout=5)
+                except queue.Empty:
+                    error = None
+                raise LLMError(str(error or exc)) from None
             while not finished:
                 result, error = responses.get()
                 if error is not None:
@@ -115,10 +124,10 @@ class LLMClient:
         drops the connection, which cancels the request on the server.
 
         Raises:
-            LLMError: the server answered with an error.
+            LLMError: the server answered with an error, or could not be reached (HTTP).
         """
         body = self._http_body(prompt, stop, True, sampling)
-        with requests.post(self._url("generate_stream"), json=body, stream=True, timeout=(5, 600)) as response:
+        with self._post("generate_stream", body, stream=True) as response:
             if response.status_code != 200:
                 raise LLMError(_http_error(response))
             for line in response.iter_lines():
@@ -134,15 +143,21 @@ class LLMClient:
         """One non-streaming completion over HTTP ``generate``.
 
         Raises:
-            LLMError: the server answered with an error.
+            LLMError: the server answered with an error, or could not be reached (HTTP).
         """
         body = self._http_body(prompt, stop, False, sampling)
         body["exclude_input_in_output"] = exclude_input_in_output
-        response = requests.post(self._url("generate"), json=body, timeout=(5, 600))
+        response = self._post("generate", body)
         if response.status_code != 200:
             raise LLMError(_http_error(response))
         event = response.json()
         return _delta(lambda name: _json_output(event, name))
+
+    def _post(self, endpoint: str, body: dict, stream: bool = False) -> requests.Response:
+        try:
+            return requests.post(self._url(endpoint), json=body, stream=stream, timeout=(5, 600))
+        except requests.ConnectionError as exc:
+            raise LLMError(f"cannot connect to {self.http_url} ({type(exc).__name__})") from exc
 
     def _url(self, endpoint: str) -> str:
         version = f"/versions/{self.version}" if self.version else ""

@@ -92,8 +92,15 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
+        elif first.get("type") == "json_invalid":  # loc ("body", <character offset>)
+            reason = (first.get("ctx") or {}).get("error")
+            message, param = f"the body is not valid JSON (at character {param}{f': {reason}' if reason else ''})", None
+        elif param is None and content_type != "application/json":
+            message = (f"the body must be a JSON object sent with Content-Type: application/json (got "
+                       f"{content_type or 'no Content-Type'})")
         else:
             # The message alone: the error's input, context and location in the source stay out.
             message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")

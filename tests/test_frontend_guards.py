@@ -236,3 +236,16 @@ def test_a_repeated_sigterm_cuts_the_drain_short_only_when_it_comes_a_second_lat
     process.send_signal(signal.SIGTERM)
     out, _ = process.communicate(timeout=30)
     assert out.split() == outcome.split() and process.returncode == 0
+
+
+def test_a_body_that_is_not_json_is_a_400_that_says_why(frontend):
+    cut = requests.post(f"{frontend}/v1/chat/completions", data='{"model":"llm","messages":[{"role":"user"',
+                        headers={**AUTH, "Content-Type": "application/json"}, timeout=10)
+    assert cut.status_code == 400
+    error = cut.json()["error"]
+    assert error["message"].startswith("the body is not valid JSON (at character ") and error["param"] is None
+    form = requests.post(f"{frontend}/v1/completions", data='{"model":"llm","prompt":"hi","max_tokens":2}',
+                         headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, timeout=10)  # curl -d
+    assert form.status_code == 400
+    assert form.json()["error"]["message"] == ("the body must be a JSON object sent with Content-Type: "
+                                               "application/json (got application/x-www-form-urlencoded)")

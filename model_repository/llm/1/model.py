@@ -21,6 +21,7 @@ A request the engine cannot take now (the waiting queue is full, or the engine i
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
@@ -48,6 +49,7 @@ from serve.request_parsing import check_request_id, parse_request
 log = logging.getLogger("llm")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_REFRESH_S = 0.25
+FINALIZE_WATCHDOG_S = 20.0
 ORPHAN_CHECK_S = 0.5
 CANCEL_SWEEP_S = 0.05
 MAX_CANCEL_CHECKS_PER_S = 100  # is_cancelled() round trips; past it the sweeps space out (256 in flight: 2.6 s)
@@ -169,6 +171,11 @@ class TritonPythonModel:
             raise
 
     def finalize(self) -> None:
+        # If this process is still here FINALIZE_WATCHDOG_S from now (a thread stuck in a call to the server
+        # while it unloads the model, or the interpreter's exit held up), every thread's Python stack goes
+        # to stderr (tritonserver's log): the unload then waits for tritonserver's exit timeout.
+        faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=False)
+        start = time.monotonic()
         self.stopping.set()
         self.drain.stop()
         self.intake.put(None)
@@ -177,6 +184,8 @@ class TritonPythonModel:
         self.engine.shutdown(timeout=5.0)  # in-flight requests end with finish_reason "abort"
         self.outputs.put(None)
         self.sender_thread.join(timeout=5.0)
+        log.info("model %r version %s finalized in %.2f s", self.drain.model_name, self.drain.model_version,
+                 time.monotonic() - start)
 
     # -- threads ------------------------------------------------------------------------------------
     def _intake_loop(self, intake: queue.Queue) -> None:

@@ -1,0 +1,27 @@
+"""The command-line client without a server: the HTTP address as the gRPC one is written, and an unreachable
+server as one line, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from client.llm_client import LLMClient
+from serve.launch import REPO_ROOT
+from triton_server import free_port
+
+
+def test_http_url_without_a_scheme_means_http():
+    assert LLMClient(http_url="localhost:7100").http_url == "http://localhost:7100"
+    assert LLMClient(http_url="https://triton.example:443/").http_url == "https://triton.example:443"
+
+
+def test_an_unreachable_server_is_one_line_and_status_1():
+    port = free_port()
+    for protocol in ("http", "grpc"):
+        run = subprocess.run([sys.executable, "-m", "client", "hi", "--protocol", protocol,
+                              "--http-url", f"127.0.0.1:{port}", "--grpc-url", f"127.0.0.1:{port}"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.startswith("error: ") and "Traceback" not in run.stderr, run.stderr
+    assert f"cannot connect to http://127.0.0.1:{port}" in run.stderr or "UNAVAILABLE" in run.stderr
