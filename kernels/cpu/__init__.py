@@ -228,9 +228,6 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
-INT8_CHUNK_MIN_ROWS = 64  # int8_gemm takes longer prompts in chunks of its kernel's rows from this many up
-
-
 def int8_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`int8_gemm` runs here for activations of ``dtype``: the kernels built, with AVX-512 or AVX2 and
     FMA (fp32), AVX512-BF16 (bf16)."""
@@ -240,7 +237,7 @@ def int8_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def int8_gemm_max_rows() -> int:
-    """The most rows one kernel call of :func:`int8_gemm` takes (256; 16 on AVX2)."""
+    """The most rows one kernel call of :func:`int8_gemm` takes (256)."""
     return _module().int8_gemm_max_rows()
 
 
@@ -273,9 +270,7 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
     (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds); the fp32 sums
-    are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks of it where it is
-    :data:`INT8_CHUNK_MIN_ROWS` or more (AVX-512); where it is less (AVX2, whose kernel widens the weights again
-    for every two rows), the weights are dequantized once for the call and the rows are one oneDNN GEMM.
+    are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
@@ -291,9 +286,6 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     module = _module()
     x = x.contiguous()
     rows = module.int8_gemm_max_rows()
-    if x.shape[0] > rows and rows < INT8_CHUNK_MIN_ROWS:
-        result = torch.nn.functional.linear(x, int8_gemm_unpack(packed, x.shape[1], x.dtype), bias)
-        return result if out is None else out.copy_(result)
     if out is None:
         out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
     for begin in range(0, x.shape[0], rows):

@@ -11,8 +11,9 @@
 // by 2 blocks of 16 outputs (each widened vector serves 12 rows: the widening costs about as much as the products);
 // for fp32 activations with fp32 multiply-adds, 6 rows by 2 blocks. The sums are exact products of x and the
 // integers, accumulated in fp32 and scaled once per output at the end; results are rounded to x's dtype once.
-// On AVX2 with FMA (no AVX-512) the fp32 form runs in 8-lane registers for up to 16 rows; the Python side sends larger
-// calls to oneDNN on weights dequantized for the call.
+// On AVX2 with FMA (no AVX-512) the fp32 form runs in 8-lane registers, two rows at a time, widening a group's weights
+// again for each two rows (from L2 after the first pass): on Zen 3 that measured faster at every row count than
+// widening each group once into an L1 or L2 buffer and passing the rows over it (the buffer's traffic costs more).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -81,9 +82,19 @@ inline void int8_block_fp32(const float* x, int64_t K, const int8_t* w, int64_t 
 #endif
 
 #if LLM_HAVE_AVX2_FMA
-// Rows one int8_gemm call takes on AVX2 (two at a time, the group's weights widened again for each pair from L2);
-// more rows are one oneDNN GEMM on the dequantized weights (kernels.cpu.int8_gemm).
-constexpr int64_t INT8_AVX2_MAX_ROWS = 16;
+// A k pair's 16 int8 weights of a block (32 bytes at w), outputs 4q..4q+3, widened to fp32.
+inline __m256 widen_quarter_avx2(const int8_t* w, int q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * q))));
+}
+
+// The scaled sums of a block's 16 outputs into c[0..16) from its four accumulators (lane pairs: an output's even
+// and odd k): hadd of outputs 0..3 and 4..7 gives (n0, n1, n4, n5, n2, n3, n6, n7), reordered by 64-bit lanes.
+inline void finish_block_avx2(const __m256 acc[4], const float* scale, float* c) {
+  const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[0], acc[1])), 0xD8));
+  const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[2], acc[3])), 0xD8));
+  _mm256_storeu_ps(c, _mm256_mul_ps(lo, _mm256_loadu_ps(scale)));
+  _mm256_storeu_ps(c + 8, _mm256_mul_ps(hi, _mm256_loadu_ps(scale + 8)));
+}
 
 // int8_block_fp32 on AVX2: a k pair's 16 outputs are four 8-lane registers (outputs 4q..4q+3, each lane pair the
 // output's even and odd k), widened straight from memory (vpmovsxbd of 8 bytes, vcvtdq2ps). MB * NB <= 2 keeps the
@@ -101,27 +112,16 @@ inline void int8_block_fp32_avx2(const float* x, int64_t K, const int8_t* w, int
     __m256 wv[NB][4];
     for (int j = 0; j < NB; ++j)
       for (int q = 0; q < 4; ++q)
-        wv[j][q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * stride + 32 * p + 8 * q))));
+        wv[j][q] = widen_quarter_avx2(w + j * stride + 32 * p, q);
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + m * K + 2 * p)));
       for (int j = 0; j < NB; ++j)
         for (int q = 0; q < 4; ++q) acc[m][j][q] = _mm256_fmadd_ps(xv, wv[j][q], acc[m][j][q]);
     }
   }
-  // hadd of outputs 0..3 and 4..7 gives (n0, n1, n4, n5, n2, n3, n6, n7); the 64-bit lanes reordered (0, 2, 1, 3).
-  for (int j = 0; j < NB; ++j) {
-    const float* scale = reinterpret_cast<const float*>(w + j * stride + 16 * K);
-    const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(
-          _mm256_castps_pd(_mm256_hadd_ps(acc[m][j][0], acc[m][j][1])), 0xD8));
-      const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(
-          _mm256_castps_pd(_mm256_hadd_ps(acc[m][j][2], acc[m][j][3])), 0xD8));
-      _mm256_storeu_ps(c + m * 64 + 16 * j, _mm256_mul_ps(lo, scale_lo));
-      _mm256_storeu_ps(c + m * 64 + 16 * j + 8, _mm256_mul_ps(hi, scale_hi));
-    }
-  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j)
+      finish_block_avx2(acc[m][j], reinterpret_cast<const float*>(w + j * stride + 16 * K), c + m * 64 + 16 * j);
 }
 
 // Rows x[0..rows) (rows <= 6) against `nbs` (<= 4) int8 blocks into c (as int8_block_fp32): one row takes the
@@ -242,14 +242,8 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 // AVX512-BF16.
 bool int8_gemm_available(bool bf16) { return bf16 ? LLM_HAVE_AVX512_BF16 : LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA; }
 
-// The most rows one int8_gemm call takes: 256 with AVX-512, 16 on AVX2.
-int64_t int8_gemm_max_rows() {
-#if LLM_HAVE_AVX2_FMA
-  return llm_cpu::INT8_AVX2_MAX_ROWS;
-#else
-  return llm_cpu::INT8_GEMM_MAX_ROWS;
-#endif
-}
+// The most rows one int8_gemm call takes.
+int64_t int8_gemm_max_rows() { return llm_cpu::INT8_GEMM_MAX_ROWS; }
 
 // weight [N, K] fp32 or bf16, N % 16 == 0, K even -> int8 [N / 16, 16 * K + 64]: per block of 16 outputs, for each
 // pair of consecutive k the 16 outputs' two int8 values q = round(w / scale) (|q| <= 127, ties away from zero),
@@ -322,7 +316,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ",
               bf16_x ? "AVX512-BF16" : "AVX-512 and no AVX2 with FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
-              && x.size(0) <= int8_gemm_max_rows(), "int8_gemm: x fp32 or bf16 [M <= ", int8_gemm_max_rows(),
+              && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
               ", K] contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
