@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -51,13 +52,33 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
     if path.suffix == ".gguf" and path.is_file():
-        stat = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        target = cache_dir() / f"{path.stem}-{key}"
+        target = cache_dir() / f"{path.stem}-{gguf_key(path)}"
         if not (target / "config.json").exists():
-            _convert_gguf(path, target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # One conversion at a time per GGUF (the frontend and the model start together): the second waits
+            # for the first and then finds its result.
+            with open(target.parent / f".{target.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (target / "config.json").exists():
+                    _convert_gguf(path, target)
         return target
     raise FileNotFoundError(f"model {str(path)!r} is neither a Hugging Face directory nor a .gguf file")
+
+
+GGUF_KEY_SPAN = 1 << 20  # bytes read from each end of a GGUF for its cache key
+
+
+def gguf_key(path: Path) -> str:
+    """A key for the GGUF's content that does not depend on where it lies (every clone's virtual environment
+    holds its own copy of the embedded model): sha256 of its size and its first and last MiB (the header with
+    the metadata, and the last tensors), 12 hex digits. Reads at most 2 MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(GGUF_KEY_SPAN))
+        f.seek(max(0, size - GGUF_KEY_SPAN))
+        digest.update(f.read(GGUF_KEY_SPAN))
+    return digest.hexdigest()[:12]
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
