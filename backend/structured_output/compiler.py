@@ -18,7 +18,7 @@ from backend.structured_output.params import StructuredOutputsParams
 from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-state token masks: tens of KiB to MiB)
-DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds one compile may take before its constraint is refused
+DEFAULT_COMPILE_TIMEOUT = 10.0  # CPU seconds one compile may use before its constraint is refused
 DEFAULT_COMPILE_THREADS = 2  # compiles running at once (a compile past its deadline keeps its thread)
 BUSY_WALL_FACTOR = 3.0  # a compile short of its CPU seconds after this many times them in wall time: a 503
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: ")  # "[13:41:12] /project/cpp/x.cc:94: " in xgrammar errors
@@ -31,8 +31,8 @@ class GrammarCompiler:
     only once its grammar is ready, and an invalid constraint fails that request alone. A JSON schema is
     first checked (:func:`~backend.structured_output.schema_check.check_json_schema`: every keyword enforced,
     size, depth and keyword count bounded), a regex too (:func:`~backend.structured_output.schema_check.check_regex`).
-    The compile itself runs on one of ``compile_threads`` worker threads at the lowest CPU priority
-    (``backend/background.py``: xgrammar releases the GIL, and the step's threads go first). Its deadline,
+    The compile itself runs on one of ``compile_threads`` worker threads at a lower CPU priority (nice
+    5, ``backend/background.py``: xgrammar releases the GIL, and the step's threads go first). Its deadline,
     ``compile_timeout``, is in CPU seconds of that thread, so a constraint gets the same verdict on a busy machine
     as on an idle one: a compile that uses them all is refused and remembered as refused (its result, when it
     comes, is dropped), so the same constraint is refused at once next time. Refusals are cached like grammars.
@@ -115,8 +115,8 @@ class GrammarCompiler:
     def _await(self, job: "_Job"):
         """Waits for ``job``: its grammar, or a refusal once it has used ``compile_timeout`` CPU seconds, or
         :class:`EngineOverloadedError` when it stayed queued that long or has run :data:`BUSY_WALL_FACTOR`
-        times that long in wall time without using its CPU seconds (a busy machine: compiles run at the
-        lowest priority). Waits sleep until the earliest moment either could hold: a compile cannot use CPU
+        times that long in wall time without using its CPU seconds (a busy machine: compiles run at a
+        lower priority). Waits sleep until the earliest moment either could hold: a compile cannot use CPU
         faster than the clock runs."""
         waited_from = time.monotonic()
         wall_limit = self.compile_timeout * BUSY_WALL_FACTOR
