@@ -195,27 +195,23 @@ class TritonPythonModel:
         constraint refused) reach the client as INVALID_ARG like any other, but Triton cannot count them as
         failures."""
         while (item := intake.get()) is not None:
-            self._take(*item)
-            item = None  # nothing of the request stays referenced from this frame while it waits (_abort_cancelled)
-
-    def _take(self, parsed, request_id: str) -> None:
-        """One request of :meth:`_intake_loop`: queued in the engine, or answered with its error."""
-        state = self.inflight.get(request_id)
-        if state is None:
-            return
-        try:
-            with self.senders_lock:
-                cancelled = state.sender.is_cancelled()
-            if cancelled:  # gave up while waiting: never tokenized, never queued
-                raise ValueError("request cancelled before it was queued")
-            self._add(parsed, request_id, state)
-        except EngineUnavailableError as exc:
-            self._drop(request_id, state, str(exc), pb_utils.TritonError.UNAVAILABLE)
-        except ValueError as exc:
-            self._drop(request_id, state, str(exc), pb_utils.TritonError.INVALID_ARG)
-        except Exception as exc:
-            log.exception("request rejected")
-            self._drop(request_id, state, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+            parsed, request_id = item
+            state = self.inflight.get(request_id)
+            if state is None:
+                continue
+            try:
+                with self.senders_lock:
+                    cancelled = state.sender.is_cancelled()
+                if cancelled:  # gave up while waiting: never tokenized, never queued
+                    raise ValueError("request cancelled before it was queued")
+                self._add(parsed, request_id, state)
+            except EngineUnavailableError as exc:
+                self._drop(request_id, state, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            except ValueError as exc:
+                self._drop(request_id, state, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except Exception as exc:
+                log.exception("request rejected")
+                self._drop(request_id, state, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
 
     def _drop(self, request_id: str, state: _InFlight, message: str, code) -> None:
         """The error response (FINAL) of a request the engine never took."""
@@ -236,21 +232,14 @@ class TritonPythonModel:
         aborted again on each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
         while not self.stopping.wait(max(CANCEL_SWEEP_S, len(self.inflight) / MAX_CANCEL_CHECKS_PER_S)):
             try:
-                self._abort_cancelled()
+                for request_id in list(self.inflight):
+                    with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
+                        state = self.inflight.get(request_id)
+                        cancelled = state is not None and state.sender.is_cancelled()
+                    if cancelled:
+                        self.engine.abort(request_id)
             except Exception:
                 log.exception("cancellation sweep failed")
-
-    def _abort_cancelled(self) -> None:
-        """One sweep of :meth:`_cancel_loop`. A method of its own so that no request's state (and with it its
-        response sender) stays referenced from a waiting thread's frame: Triton unloads the model only once
-        every response sender of the stub is gone, and a sender kept alive that way held the unload (and with
-        it a SIGTERM) until tritonserver's exit timeout."""
-        for request_id in list(self.inflight):
-            with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
-                state = self.inflight.get(request_id)
-                cancelled = state is not None and state.sender.is_cancelled()
-            if cancelled:
-                self.engine.abort(request_id)
 
     def _exit_when_orphaned(self) -> None:
         """This stub serves tritonserver alone: when the server is gone (killed before it could unload the
