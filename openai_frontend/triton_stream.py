@@ -4,6 +4,12 @@ Each call opens its own bidirectional stream, sends one request with ``stream`` 
 decoupled model's responses until the one flagged final. Leaving the iterator early (a client that
 disconnected) cancels the gRPC call, which Triton turns into a cancelled request: the model aborts it in the
 engine and its KV blocks are freed.
+
+After the final response (or an error, which the model and Triton always send as final) the stream is closed
+from this side and left to end normally, never cancelled: tritonserver 2.51 can lose track of a stream
+cancelled after its request completed, and the leaked stream state keeps the model loaded, so an unload
+(and with it a SIGTERM) then waits until Triton's exit timeout. The close is awaited on a task of its own,
+so the client's response is not held up by it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.errors import OpenAIError, error_from_triton
+
+CLOSE_TIMEOUT_S = 10.0  # a finished stream that has not ended this long after our half-close is cancelled
 
 
 @dataclass
@@ -49,6 +57,7 @@ class TritonLLM:
     url: str
     model_repository: Path | None = None
     _client: grpcclient.InferenceServerClient | None = field(default=None, init=False)
+    _closing: set[asyncio.Task] = field(default_factory=set, init=False)  # finished streams ending
 
     @property
     def client(self) -> grpcclient.InferenceServerClient:
@@ -57,6 +66,8 @@ class TritonLLM:
         return self._client
 
     async def close(self) -> None:
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=CLOSE_TIMEOUT_S)
         if self._client is not None:
             await self._client.close()
 
@@ -116,21 +127,43 @@ class TritonLLM:
             await done.wait()  # keep our side of the stream open until the final response
 
         responses = self.client.stream_infer(requests())
+        finished = False
         try:
             async for result, error in responses:
                 if error is not None:
+                    finished = True
                     raise error_from_triton(error.message())
-                final = result.get_response().parameters["triton_final_response"].bool_param
+                finished = result.get_response().parameters["triton_final_response"].bool_param
                 if result.as_numpy("text_output") is not None:
                     yield from_result(result)
-                if final:
+                if finished:
                     return
         except grpc.RpcError as exc:  # the stream itself failed: Triton gone or shutting down
+            finished = True
             raise OpenAIError(503, f"Triton stream failed: {exc.details() if hasattr(exc, 'details') else exc}",
                               "service_unavailable") from None
         finally:
-            done.set()
-            responses.cancel()  # no-op after the final response; else Triton cancels the request
+            done.set()  # half-closes the stream
+            if finished:
+                task = asyncio.get_running_loop().create_task(_wait_for_end(responses))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            else:  # left early (the client went away): Triton cancels the request
+                responses.cancel()
+
+
+async def _wait_for_end(responses) -> None:
+    """Reads a finished, half-closed stream until Triton ends it; cancels it if that takes over
+    ``CLOSE_TIMEOUT_S`` or fails."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            async for _ in responses:
+                pass
+    except asyncio.CancelledError:
+        responses.cancel()
+        raise
+    except Exception:  # timed out, or the stream failed as it ended
+        responses.cancel()
 
 
 def from_result(result) -> Delta:

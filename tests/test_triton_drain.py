@@ -17,7 +17,7 @@ import requests
 
 from client import LLMClient, LLMError
 from serve.stub_watch import STUB_NAME
-from triton_server import single_version_repository, start_launcher, stop_server
+from triton_server import free_port, single_version_repository, start_launcher, stop_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
 GRACE_S = 8.0
@@ -136,3 +136,35 @@ def test_killed_stub_fails_requests_fast_and_the_launcher_reloads_the_model(laun
                    if p.name() == STUB_NAME and p.status() != psutil.STATUS_ZOMBIE]
     assert new_stub.pid != stub.pid
     assert "restarting tritonserver" in launcher.log()
+
+
+def test_sigterm_after_openai_traffic_exits_0_promptly(tmp_path, default_model_dir):
+    """Requests through the OpenAI frontend, answered and refused, leave nothing that holds the model: SIGTERM
+    unloads it and every process exits 0 well within Triton's exit timeout. (Each request is one gRPC stream to
+    Triton; a stream the frontend cancelled after its final response could keep the model loaded.)"""
+    port = free_port()
+    server = start_launcher(tmp_path / "serve.log", single_version_repository(tmp_path / "models", SETTINGS),
+                            openai_port=port)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        statuses = []
+        for i in range(8):
+            statuses.append(requests.post(f"{base}/completions", json={
+                "model": "llm", "prompt": f"Count to {i}:", "max_tokens": 2}, timeout=60).status_code)
+            statuses.append(requests.post(f"{base}/chat/completions", json={
+                "model": "llm", "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 2},
+                timeout=60).status_code)
+            statuses.append(requests.post(f"{base}/completions", json={  # refused by the model
+                "model": "llm", "prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "[a-"}},
+                timeout=60).status_code)
+        assert statuses == [200, 200, 400] * 8
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0, server.log()[-3000:]
+        elapsed = time.monotonic() - start
+    finally:
+        if server.process.poll() is None:
+            stop_server(server)
+    log = server.log()
+    assert "successfully unloaded 'llm'" in log and "Exit timeout expired" not in log, log[-3000:]
+    assert elapsed < 20, f"the launcher took {elapsed:.1f} s to stop"
