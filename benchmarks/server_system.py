@@ -160,7 +160,7 @@ class ServerSystem:
                     rec.token_times += [now] * new_tokens
                 rec.finish = now
                 if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
+                    done.set()  # half-close: Triton ends the stream (never cancel a finished one: operations.md)
         except Exception as exc:  # reported, and the run fails in run()
             errors.append(f"request {r.index}: {exc}")
         finally:

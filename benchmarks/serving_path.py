@@ -157,7 +157,7 @@ async def _client_main(url: str, streams: int, max_tokens: int, cycle: list[int]
                 reason = result.as_numpy("finish_reason")[0]
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     num_input = int(result.as_numpy("num_input_tokens")[0])
-                    break
+                    done.set()  # half-close: Triton ends the stream (never cancel a finished one: operations.md)
         finally:
             done.set()
         want = [cycle[(num_input + k) % len(cycle)] for k in range(max_tokens)]
