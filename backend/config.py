@@ -73,16 +73,16 @@ class EngineConfig:
             longer ones are refused (400).
         structured_outputs_max_schema_depth: the deepest nesting of JSON objects/arrays in a schema.
         structured_outputs_max_schema_keywords: the most keywords in a schema (all its subschemas together).
-        structured_outputs_compile_timeout: seconds a constraint's grammar may take to compile; past it the
+        structured_outputs_compile_timeout: CPU seconds a constraint's grammar may use to compile; past them the
             request is refused (400) and so is the same constraint later, at once. The compile runs on a worker
-            thread (``backend.structured_output.GrammarCompiler``), so the caller waits at most this long.
+            thread at a lower CPU priority (``backend.structured_output.GrammarCompiler``); the caller waits at
+            most three times this long in wall time (then a 503).
         quantization: ``none`` (default) keeps the weights in ``dtype``; ``int8`` quantizes the compact decoder's
             linear weights (QKV, O, gate-up, down and the LM head) at load per output channel, symmetric, to int8
             with an fp32 scale per row, and runs them through the C++ kernel ``int8_gemm`` (weight-only, "W8A16":
             activations stay in ``dtype``; LLM.int8(), Dettmers et al. 2022, without its outlier columns): a decode
             step reads half the weight bytes of bf16. Needs a CPU, the C++ kernels built with AVX-512 or AVX2 and
-            FMA (AVX512-BF16 for bfloat16), ``dtype`` float32 or bfloat16, the compact decoder (``model_impl`` auto,
-            a family of ``backend/models``) and the
+            FMA (AVX512-BF16 for bfloat16), ``dtype`` float32 or bfloat16, the compact decoder (``model_impl`` auto, a family of ``backend/models``) and the
             ``default`` model runner; else the engine refuses to start with the reason. The name is vLLM's
             ``--quantization`` (there a checkpoint's method: INT8 W8A8, AWQ, GPTQ on x86 CPUs, quantized beforehand);
             here an ordinary checkpoint is quantized at load, weights only.

@@ -12,14 +12,15 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from backend.background import lower_this_thread_priority
 from backend.errors import EngineOverloadedError
 from backend.structured_output.params import StructuredOutputsParams
 from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-state token masks: tens of KiB to MiB)
-DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds one compile may take before its constraint is refused
+DEFAULT_COMPILE_TIMEOUT = 10.0  # CPU seconds one compile may use before its constraint is refused
 DEFAULT_COMPILE_THREADS = 2  # compiles running at once (a compile past its deadline keeps its thread)
-QUEUE_GRACE_S = 1.0  # a compile queued this long at most still gets its full compile_timeout
+BUSY_WALL_FACTOR = 3.0  # a compile short of its CPU seconds after this many times them in wall time: a 503
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: ")  # "[13:41:12] /project/cpp/x.cc:94: " in xgrammar errors
 
 
@@ -30,10 +31,12 @@ class GrammarCompiler:
     only once its grammar is ready, and an invalid constraint fails that request alone. A JSON schema is
     first checked (:func:`~backend.structured_output.schema_check.check_json_schema`: every keyword enforced,
     size, depth and keyword count bounded), a regex too (:func:`~backend.structured_output.schema_check.check_regex`).
-    The compile itself runs on one of ``compile_threads`` worker threads (xgrammar releases the GIL, so the
-    engine loop keeps stepping); the caller waits at most ``compile_timeout``. A compile that runs past it is
-    refused and remembered as refused (its result, when it comes, is dropped), so the same constraint is
-    refused at once next time. Refusals are cached like grammars.
+    The compile itself runs on one of ``compile_threads`` worker threads at a lower CPU priority (nice
+    5, ``backend/background.py``: xgrammar releases the GIL, and the step's threads go first). Its deadline,
+    ``compile_timeout``, is in CPU seconds of that thread, so a constraint gets the same verdict on a busy machine
+    as on an idle one: a compile that uses them all is refused and remembered as refused (its result, when it
+    comes, is dropped), so the same constraint is refused at once next time. Refusals are cached like grammars.
+    The caller waits at most :data:`BUSY_WALL_FACTOR` times ``compile_timeout`` in wall time (then a 503).
 
     The tokenizer's vocabulary is read on first use (about 1 s for a 49k-token BPE vocabulary), so engines
     whose requests never ask for structured outputs pay nothing.
@@ -43,7 +46,7 @@ class GrammarCompiler:
         vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
         cache_size: compiled grammars (and refusals) kept, least recently used dropped first.
         schema_limits: bounds on a JSON schema.
-        compile_timeout: seconds a compile may run.
+        compile_timeout: CPU seconds a compile may use.
         compile_threads: compiles that may run at once.
 
     Attributes:
@@ -80,10 +83,11 @@ class GrammarCompiler:
 
         Raises:
             ValueError: the schema, regex or grammar is invalid, unsupported (xgrammar's reason, without its
-                source location), uses a keyword the grammar would not enforce, exceeds a bound, or took over
-                ``compile_timeout`` to compile.
-            EngineOverloadedError: every compile thread was busy until the deadline (the constraint itself may
-                be fine: try again later).
+                source location), uses a keyword the grammar would not enforce, exceeds a bound, or used
+                ``compile_timeout`` CPU seconds compiling.
+            EngineOverloadedError: every compile thread was busy for ``compile_timeout`` seconds, or the
+                compile had too little CPU to finish or use its seconds in :data:`BUSY_WALL_FACTOR` times that
+                (the constraint itself may be fine: try again later).
         """
         key = (params.kind, params.spec)
         with self._lock:
@@ -106,38 +110,50 @@ class GrammarCompiler:
                 job = self._pending[key] = _Job(key, params)
                 self._start_workers()
                 self._jobs.put((job, compiler))
-        try:
-            return job.future.result(timeout=self.compile_timeout)
-        except FutureTimeout:
-            pass
-        if job.future.cancel():  # still queued behind other compiles: not this constraint's fault
-            with self._lock:
-                self._pending.pop(key, None)
-            raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
-                                        f"(compile_timeout); try again later")
-        running_for = time.monotonic() - job.started
-        if 0 < self.compile_timeout - running_for <= QUEUE_GRACE_S:
-            # Taken by a worker a moment after it was queued (thread wake-up on a loaded machine): the compile
-            # gets its full time before it is judged, so a slow constraint is refused as slow, not as "busy".
+        return self._await(job)
+
+    def _await(self, job: "_Job"):
+        """Waits for ``job``: its grammar, or a refusal once it has used ``compile_timeout`` CPU seconds, or
+        :class:`EngineOverloadedError` when it stayed queued that long or has run :data:`BUSY_WALL_FACTOR`
+        times that long in wall time without using its CPU seconds (a busy machine: compiles run at a
+        lower priority). Waits sleep until the earliest moment either could hold: a compile cannot use CPU
+        faster than the clock runs."""
+        waited_from = time.monotonic()
+        wall_limit = self.compile_timeout * BUSY_WALL_FACTOR
+        while True:
+            waited = time.monotonic() - waited_from
+            if not job.future.running() and not job.future.done():  # still queued
+                budget = self.compile_timeout - waited
+                if budget <= 0 and job.future.cancel():
+                    with self._lock:
+                        self._pending.pop(job.key, None)
+                    raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
+                                                f"(compile_timeout); try again later")
+            elif not job.future.done():
+                used = job.cpu_seconds()
+                if used >= self.compile_timeout:
+                    refused = _Refused(f"invalid structured_outputs.{job.params.kind}: compiling it took over "
+                                       f"{self.compile_timeout:g} s of CPU time (compile_timeout); simplify it")
+                    self._store(job.key, refused)  # the compile's own result, when it comes, is dropped
+                    return _unwrap(refused)
+                if waited >= wall_limit:  # not cached: the compile goes on and its grammar is kept when done
+                    raise EngineOverloadedError(
+                        f"the grammar compile had {used:.1f} s of CPU time in {waited:.0f} s (the machine is "
+                        f"busy; compile_timeout is {self.compile_timeout:g} s of CPU time); try again later")
+                budget = min(self.compile_timeout - used, wall_limit - waited)
+            else:
+                budget = 0
             try:
-                return job.future.result(timeout=self.compile_timeout - running_for)
+                return job.future.result(timeout=max(budget, 0.01))
             except FutureTimeout:
-                running_for = time.monotonic() - job.started
-        if job.future.done():  # finished just after the deadline: take it
-            return job.future.result()
-        if running_for < self.compile_timeout:  # it waited in the queue part of the time
-            raise EngineOverloadedError(f"the grammar compiler was busy for {self.compile_timeout:g} s "
-                                        f"(compile_timeout); try again later")
-        refused = _Refused(f"invalid structured_outputs.{params.kind}: compiling it took over "
-                           f"{self.compile_timeout:g} s (compile_timeout); simplify it")
-        self._store(key, refused)  # the compile's own result, when it comes, is dropped
-        return _unwrap(refused)
+                pass
 
     def _run(self, job: "_Job", compiler) -> None:
         """On a worker thread: compiles one job and stores its grammar or refusal (unless already refused)."""
+        job.cpu_clock, job.cpu_start = self._thread_cpu_clock()
+        job.started = time.monotonic()
         if not job.future.set_running_or_notify_cancel():
             return
-        job.started = time.monotonic()
         try:
             compiled = _compile(compiler, job.params)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -174,9 +190,19 @@ class GrammarCompiler:
             self._workers.append(worker)
 
     def _work(self) -> None:
+        lower_this_thread_priority()  # the step goes first (backend/background.py)
         while True:
             job, compiler = self._jobs.get()
             self._run(job, compiler)
+
+    @staticmethod
+    def _thread_cpu_clock() -> tuple[int | None, float]:
+        """The calling thread's CPU-time clock and its reading (None and 0 where the platform has none)."""
+        try:
+            clock = time.pthread_getcpuclockid(threading.get_ident())
+            return clock, time.clock_gettime(clock)
+        except (AttributeError, OSError):
+            return None, 0.0
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -196,6 +222,14 @@ class _Job:
         self.params = params
         self.future: Future = Future()
         self.started = float("inf")  # time.monotonic() when a worker took it
+        self.cpu_clock: int | None = None  # the worker's CPU-time clock (time.pthread_getcpuclockid)
+        self.cpu_start = 0.0
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the compile has used so far (wall seconds where the platform has no thread clock)."""
+        if self.cpu_clock is None:
+            return max(0.0, time.monotonic() - self.started)
+        return time.clock_gettime(self.cpu_clock) - self.cpu_start
 
 
 class _Refused:

@@ -1,0 +1,82 @@
+"""Heavy work beside the step runs at a lower CPU priority, and a grammar compile is judged by the CPU time it
+used, so a busy machine makes it wait (a 503), never refuses a constraint as too slow (``backend/background.py``,
+``backend/structured_output/compiler.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from backend.background import BACKGROUND_NICE, lower_this_thread_priority, this_thread_nice
+from backend.errors import EngineOverloadedError
+from backend.structured_output import StructuredOutputsParams
+from backend.structured_output.compiler import BUSY_WALL_FACTOR, GrammarCompiler
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice and affinity: Linux")
+
+# Dozens of patterned strings: seconds of compile on one core.
+SLOW_SCHEMA = {"type": "object", "required": [f"p{i}" for i in range(40)],
+               "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{1,20}(-[a-z]{1,20}){0,5}$"}
+                              for i in range(40)}}
+
+
+def test_a_lowered_thread_runs_at_the_background_nice_and_leaves_its_caller_alone():
+    before = this_thread_nice()
+    seen = {}
+
+    def body():
+        seen["set"] = lower_this_thread_priority()
+        seen["nice"] = this_thread_nice()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == {"set": True, "nice": BACKGROUND_NICE}
+    assert this_thread_nice() == before
+
+
+@pytest.fixture()
+def compiler(tokenizer):
+    compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), compile_timeout=0.5, compile_threads=1)
+    compiler.compile(StructuredOutputsParams(choice=["x"]))  # starts the worker and reads the vocabulary
+    return compiler
+
+
+def test_grammar_compiles_run_at_the_background_nice(compiler):
+    (worker,) = compiler._workers
+    assert os.getpriority(os.PRIO_PROCESS, worker.native_id) == BACKGROUND_NICE
+
+
+def test_a_starved_compile_is_a_503_then_judged_by_its_cpu_time_once_it_gets_the_cpu(compiler):
+    """Three busy processes on the compile thread's only core leave it about 10% of it (weights 335 against
+    3 x 1024), 0.15 CPU seconds in 1.5 s: past BUSY_WALL_FACTOR times
+    compile_timeout the caller gets a 503 (not cached: the compile goes on); once the core is free the same
+    constraint uses its 0.5 CPU seconds and is refused as too slow, and stays refused."""
+    (worker,) = compiler._workers
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(worker.native_id, {cpu})
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) for _ in range(3)]
+    params = StructuredOutputsParams(json=SLOW_SCHEMA)
+    try:
+        time.sleep(0.2)  # the spinners are running
+        start = time.monotonic()
+        with pytest.raises(EngineOverloadedError, match=r"the machine is busy"):
+            compiler.compile(params)
+        waited = time.monotonic() - start
+        assert BUSY_WALL_FACTOR * 0.5 <= waited < BUSY_WALL_FACTOR * 0.5 + 1.0
+        assert not compiler.is_cached(params)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"compiling it took over 0.5 s of CPU time"):
+        compiler.compile(params)  # the same compile, still running: now it gets its CPU seconds
+    assert time.monotonic() - start < 1.5
+    assert compiler.is_cached(params)
