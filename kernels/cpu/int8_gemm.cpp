@@ -11,9 +11,13 @@
 // by 2 blocks of 16 outputs (each widened vector serves 12 rows: the widening costs about as much as the products);
 // for fp32 activations with fp32 multiply-adds, 6 rows by 2 blocks. The sums are exact products of x and the
 // integers, accumulated in fp32 and scaled once per output at the end; results are rounded to x's dtype once.
-// On AVX2 with FMA (no AVX-512) the fp32 form runs in 8-lane registers, two rows at a time, widening a group's weights
-// again for each two rows (from L2 after the first pass): on Zen 3 that measured faster at every row count than
-// widening each group once into an L1 or L2 buffer and passing the rows over it (the buffer's traffic costs more).
+// On AVX2 with FMA (no AVX-512) there is no instruction that multiplies bf16, and widening each weight to fp32 for an
+// FMA costs more than the FMA itself: at one row the kernel was bound by those instructions, not by memory. So fp32
+// rows are rounded to int16 once per call (a scale per row: max |x| / 32767, so each activation is within 1.5e-5 of
+// the row's largest, finer than bf16's 8 bits for all but the row's smallest values) and multiplied with vpmaddwd,
+// 16 int8 weights widened to int16 per instruction pair, summed exactly in int32 over runs of 256 k pairs and in fp32
+// across runs; one row takes four blocks at a time, two rows two. The idea is the integer dot products of llama.cpp's
+// Q8_0 and vLLM's W8A8 with finer activations (their 8 bits per activation would add error; see configuration.md).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -82,65 +86,92 @@ inline void int8_block_fp32(const float* x, int64_t K, const int8_t* w, int64_t 
 #endif
 
 #if LLM_HAVE_AVX2_FMA
-// A k pair's 16 int8 weights of a block (32 bytes at w), outputs 4q..4q+3, widened to fp32.
-inline __m256 widen_quarter_avx2(const int8_t* w, int q) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * q))));
-}
+// k pairs summed exactly in int32 before each run's sum is added in fp32: 256 * 2 * 127 * 32767 < 2^31.
+constexpr int64_t I16_RUN_PAIRS = 256;
 
-// The scaled sums of a block's 16 outputs into c[0..16) from its four accumulators (lane pairs: an output's even
-// and odd k): hadd of outputs 0..3 and 4..7 gives (n0, n1, n4, n5, n2, n3, n6, n7), reordered by 64-bit lanes.
-inline void finish_block_avx2(const __m256 acc[4], const float* scale, float* c) {
-  const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[0], acc[1])), 0xD8));
-  const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[2], acc[3])), 0xD8));
-  _mm256_storeu_ps(c, _mm256_mul_ps(lo, _mm256_loadu_ps(scale)));
-  _mm256_storeu_ps(c + 8, _mm256_mul_ps(hi, _mm256_loadu_ps(scale + 8)));
-}
-
-// int8_block_fp32 on AVX2: a k pair's 16 outputs are four 8-lane registers (outputs 4q..4q+3, each lane pair the
-// output's even and odd k), widened straight from memory (vpmovsxbd of 8 bytes, vcvtdq2ps). MB * NB <= 2 keeps the
-// 4 * MB * NB accumulators, the widened weights and the broadcast pair within the 16 registers.
-template <int MB, int NB>
-inline void int8_block_fp32_avx2(const float* x, int64_t K, const int8_t* w, int64_t stride, float* c,
-                                 const char* pf = nullptr, int64_t pf_lines = 0) {
-  const int64_t pf_step = pf ? (pf_lines + K / 2 - 1) / (K / 2) : 0;
-  __m256 acc[MB][NB][4];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j)
-      for (int q = 0; q < 4; ++q) acc[m][j][q] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < K / 2; ++p) {
-    prefetch_share(pf, pf_lines, pf_step, p);
-    __m256 wv[NB][4];
-    for (int j = 0; j < NB; ++j)
-      for (int q = 0; q < 4; ++q)
-        wv[j][q] = widen_quarter_avx2(w + j * stride + 32 * p, q);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + m * K + 2 * p)));
-      for (int j = 0; j < NB; ++j)
-        for (int q = 0; q < 4; ++q) acc[m][j][q] = _mm256_fmadd_ps(xv, wv[j][q], acc[m][j][q]);
+// Rows x [M, K] fp32 rounded to int16 per row for vpmaddwd: x[m][k] ~ scales[m] * q[m][k], scales[m] =
+// max_k |x[m][k]| / 32767 (1 for an all-zero row), q rounded to nearest (|q| <= 32767).
+inline void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* q, float* scales) {
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      scales[m] = amax > 0.f ? amax / 32767.f : 1.f;
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        q[m * K + k] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(row[k] * inv))));
     }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j)
-      finish_block_avx2(acc[m][j], reinterpret_cast<const float*>(w + j * stride + 16 * K), c + m * 64 + 16 * j);
+  });
 }
 
-// Rows x[0..rows) (rows <= 6) against `nbs` (<= 4) int8 blocks into c (as int8_block_fp32): one row takes the
-// blocks two at a time, two rows one block at a time.
-inline void int8_rows_avx2(const float* x, int64_t rows, int64_t K, const int8_t* w, int64_t stride, int64_t nbs,
-                           float* c, const char* pf, int64_t pf_lines) {
+// int16 rows q[0..MB) (K apart) against NB consecutive int8 blocks: c[m * 64 + 16 * j + n] = sum_k q[m][k] q_j[n][k]
+// (unscaled), exact in int32 within each run of I16_RUN_PAIRS k pairs, the runs added in fp32 in k order (so a
+// row's sum is the same whatever MB and NB). A k pair's 8 outputs (16 bytes: each output's even and odd k side by
+// side) widen to int16 (vpmovsxbw) and vpmaddwd with the row's broadcast pair gives their 8 two-k sums: 4 uops per
+// 16 weights and row, where widening to fp32 for FMAs took 2 per 8 weights before any product.
+template <int MB, int NB>
+inline void int8_block_i16_avx2(const int16_t* q, int64_t K, const int8_t* w, int64_t stride, float* c,
+                                const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t pairs = K / 2;
+  const int64_t pf_step = pf ? (pf_lines + pairs - 1) / pairs : 0;
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) std::fill(c + m * 64 + 16 * j, c + m * 64 + 16 * j + 16, 0.f);
+  for (int64_t p0 = 0; p0 < pairs; p0 += I16_RUN_PAIRS) {
+    const int64_t p1 = std::min(pairs, p0 + I16_RUN_PAIRS);
+    __m256i acc[MB][NB][2];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_si256();
+    for (int64_t p = p0; p < p1; ++p) {
+      prefetch_share(pf, pf_lines, pf_step, p);
+      __m256i xv[MB];
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, q + m * K + 2 * p, sizeof(pair));
+        xv[m] = _mm256_set1_epi32(pair);
+      }
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i wv = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * stride + 32 * p + 16 * h)));
+          for (int m = 0; m < MB; ++m) acc[m][j][h] = _mm256_add_epi32(acc[m][j][h], _mm256_madd_epi16(wv, xv[m]));
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) {
+          float* cj = c + m * 64 + 16 * j + 8 * h;
+          _mm256_storeu_ps(cj, _mm256_add_ps(_mm256_loadu_ps(cj), _mm256_cvtepi32_ps(acc[m][j][h])));
+        }
+  }
+}
+
+// Rows q[0..rows) (rows <= 6, int16 with per-row `scales`) against `nbs` (<= 4) int8 blocks into c: c[m * 64 + 16 * j
+// + n] = scales[m] * scale_j[n] * sum_k q[m][k] q_j[n][k]. One row takes all the blocks at once, two rows two.
+inline void int8_rows_i16_avx2(const int16_t* q, const float* scales, int64_t rows, int64_t K, const int8_t* w,
+                               int64_t stride, int64_t nbs, float* c, const char* pf, int64_t pf_lines) {
   for (int64_t m = 0; m < rows; m += 2) {
-    const float* xm = x + m * K;
+    const int16_t* qm = q + m * K;
     float* cm = c + m * 64;
     if (rows - m == 1) {
+      switch (nbs) {
+        case 4: int8_block_i16_avx2<1, 4>(qm, K, w, stride, cm, pf, pf_lines); break;
+        case 3: int8_block_i16_avx2<1, 3>(qm, K, w, stride, cm, pf, pf_lines); break;
+        case 2: int8_block_i16_avx2<1, 2>(qm, K, w, stride, cm, pf, pf_lines); break;
+        default: int8_block_i16_avx2<1, 1>(qm, K, w, stride, cm, pf, pf_lines);
+      }
+    } else {
       int64_t j = 0;
       for (; j + 2 <= nbs; j += 2)
-        int8_block_fp32_avx2<1, 2>(xm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
-      if (j < nbs) int8_block_fp32_avx2<1, 1>(xm, K, w + j * stride, stride, cm + 16 * j);
-    } else {
-      for (int64_t j = 0; j < nbs; ++j)
-        int8_block_fp32_avx2<2, 1>(xm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
+        int8_block_i16_avx2<2, 2>(qm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
+      if (j < nbs) int8_block_i16_avx2<2, 1>(qm, K, w + j * stride, stride, cm + 16 * j, j == 0 ? pf : nullptr, pf_lines);
     }
     pf = nullptr;
+  }
+  for (int64_t j = 0; j < nbs; ++j) {
+    const float* scale = reinterpret_cast<const float*>(w + j * stride + 16 * K);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t n = 0; n < 16; ++n) c[m * 64 + 16 * j + n] *= scales[m] * scale[n];
   }
 }
 #endif
@@ -329,6 +360,12 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #if LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int64_t groups = (NB + 3) / 4;
+#if LLM_HAVE_AVX2_FMA
+  // fp32 rows rounded to int16 once per call, for vpmaddwd (int8_block_i16_avx2).
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> x_scales(M);
+  quantize_rows_i16(x.data_ptr<float>(), M, K, xq.data(), x_scales.data());
+#endif
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
@@ -387,10 +424,10 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #endif
         } else {
           // Two blocks at a time: 2 accumulators per row and block (even and odd k) fill the registers.
-          const float* xs = x.data_ptr<float>() + m0 * K;
 #if LLM_HAVE_AVX2_FMA
-          int8_rows_avx2(xs, rows, K, w, stride, nbs, c, pf, pf_lines);
+          int8_rows_i16_avx2(xq.data() + m0 * K, x_scales.data() + m0, rows, K, w, stride, nbs, c, pf, pf_lines);
 #else
+          const float* xs = x.data_ptr<float>() + m0 * K;
           with_rows(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             for (int64_t j = 0; j < nbs; j += 2) {
