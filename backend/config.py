@@ -80,7 +80,8 @@ class EngineConfig:
         quantization: ``none`` (default) keeps the weights in ``dtype``; ``int8`` quantizes the compact decoder's
             linear weights (QKV, O, gate-up, down and the LM head) at load per output channel, symmetric, to int8
             with an fp32 scale per row, and runs them through the C++ kernel ``int8_gemm`` (weight-only, "W8A16":
-            activations stay in ``dtype``; LLM.int8(), Dettmers et al. 2022, without its outlier columns): a decode
+            activations stay in ``dtype``, but for fp32 on AVX2 without AVX-512, where each row is rounded to int16
+            for integer multiply-adds; LLM.int8(), Dettmers et al. 2022, without its outlier columns): a decode
             step reads half the weight bytes of bf16. Needs a CPU, the C++ kernels built with AVX-512 or AVX2 and
             FMA (AVX512-BF16 for bfloat16), ``dtype`` float32 or bfloat16, the compact decoder (``model_impl`` auto, a family of ``backend/models``) and the
             ``default`` model runner; else the engine refuses to start with the reason. The name is vLLM's

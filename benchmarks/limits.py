@@ -45,21 +45,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def model_limits(model_dir: str, dtype: str, threads: int) -> dict:
-    """The measured bandwidth and GEMM peak, the model's weight bytes per step and parameters, and the bounds
-    they set: the shortest decode step (one stream's ITL floor, ms), decode tokens/s per stream in the batch
-    (memory bound), and tokens/s at the GEMM peak (compute bound)."""
+def model_limits(model_dir: str, dtype: str, threads: int, quantization: str = "none") -> dict:
+    """The measured bandwidth and GEMM peak, the model's weight bytes per step (in ``dtype``, or int8 with their
+    scales for ``quantization`` int8) and parameters, and the bounds they set: the shortest decode step (one
+    stream's ITL floor, ms), decode tokens/s per stream in the batch (memory bound), and tokens/s at the GEMM peak
+    (compute bound)."""
     from transformers import AutoConfig
 
-    from benchmarks.memory_floor import weight_bytes
+    from benchmarks.memory_floor import int8_weight_bytes, weight_bytes
 
-    element = 4 if dtype == "float32" else 2
     config = AutoConfig.from_pretrained(model_dir)
-    weights = weight_bytes(config, element)
-    params = weights // element
+    params = weight_bytes(config, 1)
+    weights = int8_weight_bytes(config) if quantization == "int8" else weight_bytes(config, 4 if dtype == "float32" else 2)
     bandwidth = measure_bandwidth_gbps(threads)
     peak = measure_gemm_gflops(dtype, threads)
     return {"bandwidth_gbps": bandwidth, "gemm_gflops": peak, "gemm_dtype": dtype, "weight_bytes_per_step": weights,
+            "weight_format": "int8" if quantization == "int8" else dtype,
             "matmul_parameters": params, "itl_floor_ms": 1e3 * weights / (bandwidth * 1e9),
             "decode_tokens_per_s_per_stream_bound": bandwidth * 1e9 / weights,
             "compute_bound_tokens_per_s": peak * 1e9 / (2 * params)}
@@ -67,7 +68,8 @@ def model_limits(model_dir: str, dtype: str, threads: int) -> dict:
 
 def markdown(limits: dict) -> str:
     return (f"Physical limits on this machine: memory read {limits['bandwidth_gbps']:.1f} GB/s and "
-            f"{limits['weight_bytes_per_step'] / 1e9:.2f} GB of weights per step give a decode step of at least "
+            f"{limits['weight_bytes_per_step'] / 1e9:.2f} GB of {limits.get('weight_format', limits['gemm_dtype'])} "
+            f"weights per step give a decode step of at least "
             f"{limits['itl_floor_ms']:.1f} ms (one stream's ITL floor; a batch of B at most "
             f"{limits['decode_tokens_per_s_per_stream_bound']:.1f} x B tokens/s); a {limits['gemm_dtype']} GEMM "
             f"peak of {limits['gemm_gflops']:.0f} GFLOP/s gives at most {limits['compute_bound_tokens_per_s']:.0f} "

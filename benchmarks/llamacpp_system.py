@@ -319,8 +319,16 @@ class LlamaCppSystem:
             first_tokens: dict[int, list[int | None]] = {r.index: [] for r in workload.requests}
             concurrency = self.config.concurrency if mode == "concurrent" else None
             start = time.perf_counter()
-            asyncio.run(self._stream_all(url, workload.requests, records, first_tokens, start, arrivals, concurrency,
-                                         mode))
+            try:
+                asyncio.run(self._stream_all(url, workload.requests, records, first_tokens, start, arrivals,
+                                             concurrency, mode))
+            except Exception as exc:  # a server that died mid-run: say so, with its log's tail
+                try:
+                    status = self.process.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    raise exc from None
+                raise RuntimeError(f"{exc}: llama-server exited with status {status}; its log ends: "
+                                   + self.log_path.read_text(errors="replace")[-1500:]) from exc
         finally:
             self._stop()
         known = {k: v for k, v in first_tokens.items() if None not in v}

@@ -29,15 +29,26 @@ from benchmarks.config import BenchConfig
 PHASES = ("steps with prefill", "decode, batch 1-16", "decode, batch 17-64", "decode, batch 65+")
 
 
-def weight_bytes(model_config, element_size: int) -> int:
-    """Bytes of the matrices a step reads once (see the module docstring), for a Llama-family config."""
+def linear_shapes(model_config) -> list[tuple[int, int, int]]:
+    """(count, out_features, in_features) of the matrices a step reads once, for a Llama-family config: per layer
+    the fused QKV, O, the fused gate-up and down; the LM head."""
     hidden, inter, layers = model_config.hidden_size, model_config.intermediate_size, model_config.num_hidden_layers
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or hidden // heads
     q, kv = heads * head_dim, kv_heads * head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 2 * hidden * inter + inter * hidden
-    return (layers * per_layer + model_config.vocab_size * hidden) * element_size
+    return [(layers, q + 2 * kv, hidden), (layers, hidden, q), (layers, 2 * inter, hidden), (layers, hidden, inter),
+            (1, model_config.vocab_size, hidden)]
+
+
+def weight_bytes(model_config, element_size: int) -> int:
+    """Bytes of the matrices a step reads once (see the module docstring), for a Llama-family config."""
+    return sum(count * rows * cols for count, rows, cols in linear_shapes(model_config)) * element_size
+
+
+def int8_weight_bytes(model_config) -> int:
+    """Bytes of the same matrices with ``quantization: int8``: one byte per weight and an fp32 scale per output row."""
+    return sum(count * rows * (cols + 4) for count, rows, cols in linear_shapes(model_config))
 
 
 @dataclass

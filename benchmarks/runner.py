@@ -75,7 +75,7 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
         from backend.config import resolve_dtype
         from benchmarks.limits import model_limits
 
-        limits = model_limits(model_dir, resolve_dtype(config.dtype, "cpu"), config.threads)
+        limits = model_limits(model_dir, resolve_dtype(config.dtype, "cpu"), config.threads, config.quantization)
         torch.set_num_threads(config.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workload = make_workload(tokenizer, config)

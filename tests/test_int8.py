@@ -190,3 +190,16 @@ def test_benchmark_passes_quantization_to_our_engine():
         parse_args(["--quantization", "int4"])
     with pytest.raises(ValueError, match="none or int8"):
         BenchConfig(quantization="int4")
+
+
+def test_benchmark_int8_weight_bytes_are_what_a_decode_step_reads(make_engine, tiny_model_dir):
+    """The benchmark's physical limit for ``--quantization int8`` counts the packed int8 weights and their scales."""
+    from transformers import AutoConfig
+
+    from backend.models.layers import Linear
+    from benchmarks.memory_floor import int8_weight_bytes
+
+    decoder = make_engine(tiny_model_dir, quantization="int8").engine_core.model_runner.decoder
+    packed = [m.small_batch for m in decoder.modules() if isinstance(m, Linear)]
+    assert packed and all(p.dtype == torch.int8 for p in packed)
+    assert int8_weight_bytes(AutoConfig.from_pretrained(tiny_model_dir)) == sum(p.numel() for p in packed)

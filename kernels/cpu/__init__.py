@@ -269,8 +269,9 @@ def int8_gemm_unpack(packed: torch.Tensor, in_features: int, dtype: torch.dtype 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
-    (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds); the fp32 sums
-    are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
+    (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds, or on AVX2 without
+    AVX-512 to int16 with ``vpmaddwd``, each row of ``x`` rounded to int16 with its own scale, ``max |x| / 32767``);
+    the sums are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
