@@ -21,6 +21,7 @@ from triton_server import free_port, single_version_repository, start_launcher, 
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
 GRACE_S = 8.0
+SHORT_TOKENS = 32
 SETTINGS = {"max_num_seqs": 8, "num_blocks": 512, "max_model_len": 2048, "drain_grace_s": GRACE_S}
 
 
@@ -65,12 +66,16 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
     while not all(len(streams.get(name, [])) >= 2 for name in threads):
         assert time.monotonic() < deadline, "streams did not start"
         time.sleep(0.05)
-    # The short one: 3 tokens more than it has when the drain begins, so it finishes within the grace period.
-    short = threading.Thread(target=run, args=("short", "grpc", 8))
+    # The short one: in flight when the drain begins, with few enough tokens left to finish within the grace
+    # period. Tokens, not deltas, are counted: a stream that falls behind the engine gets its deltas merged.
+    short = threading.Thread(target=run, args=("short", "grpc", SHORT_TOKENS))
     short.start()
-    while len(streams.get("short", [])) < 5:
+    deadline = time.monotonic() + 60
+    while sum(len(d.token_ids) for d in streams.get("short", [])) < 3:
+        assert short.is_alive(), f"short stream ended before the drain: {errors or streams['short'][-1:]}"
         assert time.monotonic() < deadline, "short stream did not start"
         time.sleep(0.02)
+    assert short.is_alive(), "short stream finished before the drain began"
 
     sigterm = time.monotonic()
     launcher.process.send_signal(signal.SIGTERM)
@@ -92,7 +97,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
           f"({refused.status_code}: {refused.json()['error']}); launcher exited {status} after {stopped:.1f} s; "
           f"finals {finals}")
     assert not errors, errors
-    assert finals["short"] == ("length", 8)
+    assert finals["short"] == ("length", SHORT_TOKENS)
     assert all(finals[name][0] == "abort" and 0 < finals[name][1] < 2000 for name in ("http1", "http2", "grpc"))
     assert all(sum(len(d.token_ids) for d in streams[name]) == finals[name][1] for name in finals)
     assert refused_in < 0.5
