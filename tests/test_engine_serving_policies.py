@@ -45,8 +45,8 @@ def test_deadline_ends_waiting_and_running_requests_with_partial_output(make_eng
     assert outs["waiting"][-1].finish_reason == "timeout" and outs["waiting"][-1].num_output_tokens == 0
     assert outs["running"][-1].finish_reason == "timeout"
     assert 0 < outs["running"][-1].num_output_tokens == sum(len(o.token_ids) for o in outs["running"])
-    assert 0.3 <= outs["running"][-1].metrics.e2e_latency < 0.3 + 0.25
-    assert time.monotonic() - start < 1.0
+    assert 0.3 <= outs["running"][-1].metrics.e2e_latency < 0.3 + 0.5  # a step or two past the deadline
+    assert time.monotonic() - start < 2.0
     assert engine.stats().kv.used_blocks == 0 and engine.stats().finished["timeout"] == 2
     with pytest.raises(ValueError, match="timeout must be a positive"):
         engine.add_request([1], params, timeout=0)

@@ -20,7 +20,7 @@ from openai_frontend.auth import load_api_key
 from openai_frontend.limits import Limits
 from serve import control
 from serve.launch import REPO_ROOT
-from triton_server import free_port, serve_app
+from triton_server import free_port, serve_app, status_before_the_body
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -62,20 +62,20 @@ def test_docs_and_schema_need_the_key(frontend):
 
 
 def test_unauthenticated_large_body_is_refused_without_reading_it(frontend):
-    start = time.monotonic()
+    status, _ = status_before_the_body(frontend, "/v1/chat/completions", 50 << 20, {})
+    assert status == 401
     response = requests.post(f"{frontend}/v1/chat/completions", data=b"x" * (50 << 20), timeout=30)
-    assert response.status_code == 401 and time.monotonic() - start < 5
+    assert response.status_code == 401
 
 
 def test_body_over_the_limit_is_413_from_content_length(frontend):
-    start = time.monotonic()
-    response = requests.post(f"{frontend}/v1/chat/completions", data=b"x" * (50 << 20), timeout=30,
-                             headers={**AUTH, "Content-Type": "application/json"})
-    elapsed = time.monotonic() - start
+    headers = {**AUTH, "Content-Type": "application/json"}
+    status, answer = status_before_the_body(frontend, "/v1/chat/completions", 50 << 20, headers)
+    assert status == 413 and b"request_too_large" in answer, answer[:300]
+    response = requests.post(f"{frontend}/v1/chat/completions", data=b"x" * (50 << 20), timeout=30, headers=headers)
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["code"] == "request_too_large" and f"{50 << 20} bytes; at most {LIMIT}" in error["message"]
-    assert elapsed < 5
 
 
 def test_chunked_body_over_the_limit_is_413_once_it_passes_the_limit(frontend):

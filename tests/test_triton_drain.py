@@ -100,7 +100,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
     assert finals["short"] == ("length", SHORT_TOKENS)
     assert all(finals[name][0] == "abort" and 0 < finals[name][1] < 2000 for name in ("http1", "http2", "grpc"))
     assert all(sum(len(d.token_ids) for d in streams[name]) == finals[name][1] for name in finals)
-    assert refused_in < 0.5
+    assert refused_in < 2  # refused at once, not after the drain (GRACE_S)
     assert status == 0  # the launcher exits 0 only if tritonserver did
     assert GRACE_S <= stopped < GRACE_S + 20
     log = launcher.log()
