@@ -26,6 +26,7 @@ STREAM_GAP_S = 1.0  # added to the stream's largest gap
 # and the stream would wait for all of it. The step time budget and fair admission spread it over steps that
 # leave room for them.
 SPREAD_BOUND_S = 0.3
+SPREAD_SHARE = 0.3  # of the 256-prompt request's own time
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,11 @@ def test_2000_prompts_are_refused_without_holding_up_others(bench):
 
 
 def test_256_prompts_are_spread_over_steps_that_leave_room_for_others(bench):
-    check(bench.run("prompts_256", baseline_s=2.0, heavy_s=0.0), completion_bound_s=SPREAD_BOUND_S,
-          stream_bound_s=SPREAD_BOUND_S)
+    row = bench.run("prompts_256", baseline_s=2.0, heavy_s=0.0)
+    # In one step the others would wait for nearly all of the request's compute (its own time); the bound is a
+    # share of that time, so a slower machine, whose steps are all slower, is held to the same spreading.
+    bound_s = max(SPREAD_BOUND_S, SPREAD_SHARE * max(row["heavy_s"]))
+    check(row, completion_bound_s=bound_s, stream_bound_s=bound_s)
 
 
 def test_chunked_flood_to_the_frontend_is_served_without_holding_up_others(bench):
