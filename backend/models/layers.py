@@ -40,9 +40,10 @@ class Linear(torch.nn.Module):
         weight: ``[out_features, in_features]``; bias: ``[out_features]`` or None. Both are kept as given
             on non-CPU devices; on CPU the weight is reordered into oneDNN's blocked layout once.
         small_batch: also keep the weight in the layout of ``kernels.cpu.small_gemm``, which runs the GEMMs of
-            decode steps (at most 64 rows on AMX, 4 for fp32 with AVX2 only, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
+            decode steps (at most 64 rows on AMX, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
             oneDNN here by streaming the weights in order (bf16 on AMX or AVX512-BF16, fp32 on AVX-512; ignored
-            elsewhere); a second copy of the weight.
+            elsewhere); a second copy of the weight. fp32 on AVX2 without AVX-512: ``small_gemm`` takes every
+            GEMM (``cpu_ops.EVERY_GEMM``), and its layout is the only copy (``weight`` None).
         quantization: ``none``, or ``int8``: the weight is quantized per output channel, symmetric, to int8 with an
             fp32 scale per row (:func:`kernels.cpu.int8_gemm_pack`) and kept only in that form; every GEMM, of
             any number of rows, runs through ``cpu_ops.int8_gemm`` (``small_batch`` is then that packed weight,
@@ -79,6 +80,9 @@ class Linear(torch.nn.Module):
         if weight.device.type == "cpu" and small_batch and _small_gemm_fits(weight):
             self.small_batch = cpu_ops.small_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
+            if self.small_batch_rows == cpu_ops.EVERY_GEMM:  # oneDNN never runs it: one copy of the weight
+                self.packed = False
+                weight = None
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.register_buffer("weight", weight, persistent=False)
@@ -90,6 +94,8 @@ class Linear(torch.nn.Module):
             return cpu_ops.int8_gemm(x, self.small_batch, self.bias)
         if 0 < x.shape[0] <= self.small_batch_rows:
             return cpu_ops.small_gemm(x, self.small_batch, self.bias)
+        if self.weight is None:  # no rows (a step that samples nothing) with only small_gemm's copy
+            return x.new_empty((0, self.out_features))
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -189,7 +189,7 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`small_gemm` runs here for ``dtype``: bf16 needs AMX (built for it: the compiler targets this
-    CPU; and allowed by Linux) or AVX512-BF16, fp32 AVX-512."""
+    CPU; and allowed by Linux) or AVX512-BF16, fp32 AVX-512 or AVX2 with FMA."""
     module = load()
     return dtype in (torch.bfloat16, torch.float32) and module is not None \
         and module.small_gemm_available(dtype == torch.bfloat16)
@@ -197,9 +197,14 @@ def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 def small_gemm_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """The most rows :func:`small_gemm` takes for ``dtype`` here (it must be available): 64 on AMX tiles, 256 on
-    vector units (the AMX path is built for decode batches only; above 256 rows oneDNN's blocking for large
-    GEMMs takes over, ``python -m benchmarks.profile_engine`` shows the split on a machine)."""
+    AVX-512 units (built for decode batches; above them oneDNN's blocking for large GEMMs takes over,
+    ``python -m benchmarks.profile_engine`` shows the split on a machine), and :data:`EVERY_GEMM` for fp32 on AVX2
+    without AVX-512, where its register-blocked path is ahead of oneDNN's fp32 GEMM at every row count measured
+    (docs/kernels.md), prompts included."""
     return _module().small_gemm_max_rows(dtype == torch.bfloat16)
+
+
+EVERY_GEMM = sys.maxsize  # small_gemm_max_rows where small_gemm takes GEMMs of any number of rows
 
 
 def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:

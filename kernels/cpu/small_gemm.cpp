@@ -1,5 +1,5 @@
-// GEMMs of decode steps (at most 64 rows on AMX tiles, up to 256 on vector units: small_gemm_max_rows), streaming
-// the weights from a layout packed for the tiles.
+// GEMMs of decode steps (at most 64 rows on AMX tiles, up to 256 on vector units, any number for fp32 on AVX2:
+// small_gemm_max_rows), streaming the weights from a layout packed for the tiles.
 // A decode step's GEMMs read every weight once and do little arithmetic per byte: they are bound by how fast the
 // weights stream from memory. Here each thread walks its own contiguous run of 1 KiB weight tiles, which the
 // hardware prefetchers follow (oneDNN's prepacked path, used for larger batches and prompts, blocks for
@@ -9,7 +9,9 @@
 // weight is read from memory once per 6 rows). bf16 weights on CPUs without AMX (AMD
 // Zen 4) take the same register blocking with AVX512-BF16's vdpbf16ps on the tile layout (one vector: 16 outputs x 2
 // consecutive k, the row's pair broadcast). fp32 on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3) takes 8-lane
-// multiply-adds on the same layout, one or two rows at a time, for up to AVX2_GEMM_MAX_ROWS rows (oneDNN beyond).
+// multiply-adds on the same layout for every GEMM, prompts included: up to AVX2_STREAM_ROWS rows one or two at a time
+// (streaming the weights once), more in 6 x 16 register blocks over panels of rows (small_gemm_avx2_rows), which
+// measured 1.2-1.6x oneDNN's fp32 GEMM at 5-64 rows and level or ahead at 128-2048 on a Zen 3 (docs/kernels.md).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -17,6 +19,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -41,9 +44,13 @@ namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
 constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
-// fp32 on AVX2 (16 registers, 8 lanes): two rows at a time reuse each weight only twice, so past a few rows
-// oneDNN's GEMM, blocked for arithmetic, is faster; below, streaming the weights once wins.
-constexpr int64_t AVX2_GEMM_MAX_ROWS = 4;
+// fp32 on AVX2 (16 registers, 8 lanes): up to AVX2_STREAM_ROWS rows stream each group of weights once, one or two
+// rows at a time; past them, 6-row register blocks (small_gemm_avx2_rows), for any number of rows.
+constexpr int64_t AVX2_STREAM_ROWS = 4;
+constexpr int64_t AVX2_GEMM_MAX_ROWS = std::numeric_limits<int64_t>::max();  // every GEMM
+constexpr int64_t AVX2_K_CHUNK = 1024;             // k per chunk of a block: 64 KiB of weights
+constexpr int64_t AVX2_PANEL_BYTES = 192 * 1024;   // x per panel and chunk, within a 512 KiB L2 beside the weights
+constexpr int64_t AVX2_PANEL_MAX_ROWS = 96;
 constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a time
 constexpr int64_t MULTI_BLOCKS = 3;  // blocks per `tile_multi` pass (2 chunks x 3 blocks: 6 C tiles)
 
@@ -245,7 +252,7 @@ inline void fma_block_avx2(const float* x, int64_t K, const float* w, int64_t st
     }
 }
 
-// Rows x[0..rows) (rows <= AVX2_GEMM_MAX_ROWS) against `nbs` (<= 4) blocks of 16 outputs into c (as fma_block):
+// Rows x[0..rows) (rows <= AVX2_STREAM_ROWS) against `nbs` (<= 4) blocks of 16 outputs into c (as fma_block):
 // one row streams all four blocks at once; two rows take the blocks two at a time.
 inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const float* w, int64_t stride, int64_t nbs,
                           float* c, const char* pf, int64_t pf_lines) {
@@ -266,7 +273,38 @@ inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const float* 
 }
 #endif
 
-#if LLM_HAVE_AVX512
+#if LLM_HAVE_AVX2_FMA
+// MB (1-6) rows against one block of 16 outputs over k in [0, kc), the 6 x 16 register block of BLIS's Haswell
+// sgemm kernel (Van Zee & van de Geijn, "BLIS", ACM TOMS 2015; 12 accumulators, the block's two weight vectors, a
+// broadcast row value): c[m * 16 + n] (+)= sum_k x[m * ldx + k] w[16 * k + n], k in order, so splitting K into
+// chunks (accumulate: start from c) gives the same sums bit for bit.
+template <int MB>
+inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const float* w, float* c, bool accumulate) {
+  // Every loop over rows unrolled: GCC otherwise keeps the accumulators in memory, a store per multiply-add.
+  __m256 acc[MB][2];
+#pragma GCC unroll 6
+  for (int m = 0; m < MB; ++m) {
+    acc[m][0] = accumulate ? _mm256_load_ps(c + 16 * m) : _mm256_setzero_ps();
+    acc[m][1] = accumulate ? _mm256_load_ps(c + 16 * m + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + 16 * k), w1 = _mm256_loadu_ps(w + 16 * k + 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MB; ++m) {
+    _mm256_store_ps(c + 16 * m, acc[m][0]);
+    _mm256_store_ps(c + 16 * m + 8, acc[m][1]);
+  }
+}
+#endif
+
+#if LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA
 // f(std::integral_constant<int, MB>{}) for MB = rows (1 to 6): the row count of a register block as a constant.
 template <typename F>
 inline void with_rows(int64_t rows, F&& f) {
@@ -291,7 +329,8 @@ bool small_gemm_available(bool bf16) {
   return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16;
 }
 
-// The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units.
+// The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units, any number for fp32
+// on AVX2 (INT64_MAX).
 int64_t small_gemm_max_rows(bool bf16) {
   if (!bf16 && LLM_HAVE_AVX2_FMA) return llm_cpu::AVX2_GEMM_MAX_ROWS;
   return bf16 && llm_cpu::amx_usable() ? llm_cpu::SMALL_GEMM_MAX_ROWS : llm_cpu::VECTOR_GEMM_MAX_ROWS;
@@ -369,6 +408,51 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
   }
 }
 
+#if LLM_HAVE_AVX2_FMA
+// fp32 on AVX2 past AVX2_STREAM_ROWS rows, in the loop order of BLIS (Van Zee & van de Geijn, ACM TOMS 2015,
+// sec. 4): the rows in panels whose chunk of x (panel rows x AVX2_K_CHUNK, at most AVX2_PANEL_BYTES) stays in L2,
+// and within a panel, one block of 16 outputs at a time, the panel's rows through it in passes of up to 6
+// (fma_tile_avx2, rows spread evenly over the passes) and K in chunks: a chunk of the block (at most 64 KiB) stays in
+// L2 from the first pass, which streams it from memory, to the last. Threads take (panel, block) items in order,
+// so both work on the same panel of x at a time.
+static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                                 c10::optional<torch::Tensor> bias) {
+  using namespace llm_cpu;
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = out.data_ptr<float>();
+  const int64_t kc_max = std::min(AVX2_K_CHUNK, K);
+  const int64_t panel_max = std::clamp<int64_t>(AVX2_PANEL_BYTES / (kc_max * 4) / 6 * 6, 6, AVX2_PANEL_MAX_ROWS);
+  const int64_t panels = (M + panel_max - 1) / panel_max;
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), NB * panels)))
+  {
+    alignas(64) float c[AVX2_PANEL_MAX_ROWS * 16];
+    for (int64_t item = taken.fetch_add(1); item < NB * panels; item = taken.fetch_add(1)) {
+      const int64_t panel = item / NB, nb = item % NB;
+      const int64_t r0 = panel * M / panels, r1 = (panel + 1) * M / panels;  // the panel's rows, spread evenly
+      const int64_t passes = (r1 - r0 + 5) / 6;
+      const float* w = ws + nb * K * 16;
+      for (int64_t k0 = 0; k0 < K; k0 += AVX2_K_CHUNK) {
+        const int64_t kc = std::min(AVX2_K_CHUNK, K - k0);
+        for (int64_t p = 0, m0 = r0; p < passes; ++p) {
+          const int64_t rows = (r1 - m0) / (passes - p);  // the remaining rows over the remaining passes
+          with_rows(rows, [&](auto mb) {
+            fma_tile_avx2<decltype(mb)::value>(xs + m0 * K + k0, K, kc, w + k0 * 16, c + (m0 - r0) * 16, k0 > 0);
+          });
+          m0 += rows;
+        }
+      }
+      for (int64_t m = r0; m < r1; ++m)
+        for (int64_t n = 0; n < 16; ++n)
+          ys[m * N + nb * 16 + n] = c[(m - r0) * 16 + n] + (bs ? bs[nb * 16 + n] : 0.f);
+    }
+  }
+}
+#endif
+
 // out [M, N] = x [M, K] @ weight^T (+ bias [N], added in fp32), bf16 or fp32, M <= small_gemm_max_rows; packed
 // from small_gemm_pack.
 void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
@@ -382,6 +466,9 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
                 && out.scalar_type() == at::kFloat, "small_gemm: out fp32 [M, N] contiguous");
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == at::kFloat),
                 "small_gemm: bias fp32 [N]");
+#if LLM_HAVE_AVX2_FMA
+    if (x.size(0) > AVX2_STREAM_ROWS) return small_gemm_avx2_rows(out, x, packed, bias);
+#endif
     return small_gemm_vector<float>(out, x, packed, bias);
   }
   TORCH_CHECK(small_gemm_available(true), "small_gemm: neither AMX nor AVX512-BF16 is available");
