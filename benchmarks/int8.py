@@ -10,7 +10,8 @@ weights.
 ``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
 (QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
 ``repeats``): ``int8_gemm`` (bf16 activations, or fp32 on AVX2) against ``small_gemm`` with bf16 and fp32 weights
-(past the rows ``small_gemm`` takes, and for bf16 without AVX512-BF16: ``F.linear``). A decode step of
+(past the rows ``small_gemm`` takes, and for bf16 without AVX512-BF16: ``F.linear``), and oneDNN's fp32 GEMM on
+prepacked weights with the ratio of its time to the fp32 column's (1.00x where both are oneDNN). A decode step of
 the model runs this once per layer. Each timing runs through as many copies of the layer as make its int8 weights
 at least :data:`STREAMED_BYTES`, so that the weights stream from memory as in a whole step, not from the L3 cache.
 """
@@ -85,9 +86,11 @@ def greedy_agreement(max_tokens: int, dtype: str) -> tuple[int, int, list[int]]:
 STREAMED_BYTES = 128 << 20  # more than the L3 caches of the CPUs this runs on (32 MiB on the reference machine)
 
 
-def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float, float, float]]:
-    """Per row count: (rows, int8 ms, bf16 ms, fp32 ms) for one decoder layer's four GEMMs, best of ``repeats``
-    runs over enough copies of the layer to stream :data:`STREAMED_BYTES` of int8 weights, divided by the copies."""
+def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float, float, float, float]]:
+    """Per row count: (rows, int8 ms, bf16 ms, fp32 ms, fp32 oneDNN ms) for one decoder layer's four GEMMs, best of
+    ``repeats`` runs over enough copies of the layer to stream :data:`STREAMED_BYTES` of int8 weights, divided by
+    the copies. The last is oneDNN's fp32 GEMM on prepacked weights (what the engine runs where ``small_gemm``
+    does not), beside what the engine runs for fp32 weights."""
     from benchmarks.shapes import COMMON, SHAPES
     from kernels import cpu
 
@@ -105,6 +108,10 @@ def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, 
     for kind, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         plain = [w.to(dtype) for _ in range(copies) for w in weights]
         packs[kind] = ([cpu.small_gemm_pack(w) for w in plain] if cpu.small_gemm_available(dtype) else [], plain)
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in packs["fp32"][1]]
+
+    def onednn_gemm(x, packed):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     def float_gemm(kind: str, dtype: torch.dtype, m: int):
         small = bool(packs[kind][0]) and m <= cpu.small_gemm_max_rows(dtype)
@@ -114,8 +121,14 @@ def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, 
     for m in rows:
         xs = [torch.randn(m, k, generator=generator) for _, k in shapes] * copies
         times = []
-        for kind, dtype in (("int8", int8_dtype), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            gemm, weights_of_kind = (cpu.int8_gemm, packs["int8"]) if kind == "int8" else float_gemm(kind, dtype, m)
+        for kind, dtype in (("int8", int8_dtype), ("bf16", torch.bfloat16), ("fp32", torch.float32),
+                            ("onednn", torch.float32)):
+            if kind == "int8":
+                gemm, weights_of_kind = cpu.int8_gemm, packs["int8"]
+            elif kind == "onednn":
+                gemm, weights_of_kind = onednn_gemm, onednn
+            else:
+                gemm, weights_of_kind = float_gemm(kind, dtype, m)
             inputs = [x.to(dtype) for x in xs]
 
             def run():
@@ -159,9 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
         print(f"one layer of {args.shape}, ms (best of {args.repeats}, {torch.get_num_threads()} threads)")
-        print(f"rows  int8 ({int8_activations()} activations)   bf16   fp32")
-        for m, int8_ms, bf16_ms, fp32_ms in layer_gemm_ms(args.shape, rows, args.repeats):
-            print(f"{m:4d} {int8_ms:6.2f} {bf16_ms:6.2f} {fp32_ms:6.2f}")
+        print(f"rows  int8 ({int8_activations()} activations)   bf16   fp32   fp32 oneDNN   fp32 / oneDNN speed")
+        for m, int8_ms, bf16_ms, fp32_ms, onednn_ms in layer_gemm_ms(args.shape, rows, args.repeats):
+            print(f"{m:4d} {int8_ms:6.2f} {bf16_ms:6.2f} {fp32_ms:6.2f} {onednn_ms:6.2f} {onednn_ms / fp32_ms:5.2f}x")
 
 
 if __name__ == "__main__":
