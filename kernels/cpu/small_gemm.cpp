@@ -49,8 +49,8 @@ constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / do
 constexpr int64_t AVX2_STREAM_ROWS = 4;
 constexpr int64_t AVX2_GEMM_MAX_ROWS = std::numeric_limits<int64_t>::max();  // every GEMM
 constexpr int64_t AVX2_K_CHUNK = 1024;             // k per chunk of a block: 64 KiB of weights
-constexpr int64_t AVX2_PANEL_BYTES = 192 * 1024;   // x per panel and chunk, within a 512 KiB L2 beside the weights
-constexpr int64_t AVX2_PANEL_MAX_ROWS = 96;
+constexpr int64_t AVX2_PANEL_BYTES = 384 * 1024;   // x per panel and chunk, within a 512 KiB L2 beside the weights
+constexpr int64_t AVX2_PANEL_MAX_ROWS = 192;
 constexpr int64_t GEMM_RUN_BLOCKS = 6;  // 16-output blocks a thread takes at a time
 constexpr int64_t MULTI_BLOCKS = 3;  // blocks per `tile_multi` pass (2 chunks x 3 blocks: 6 C tiles)
 
