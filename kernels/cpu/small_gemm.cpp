@@ -11,7 +11,7 @@
 // consecutive k, the row's pair broadcast). fp32 on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3) takes 8-lane
 // multiply-adds on the same layout for every GEMM, prompts included: up to AVX2_STREAM_ROWS rows one or two at a time
 // (streaming the weights once), more in 6 x 16 register blocks over panels of rows (small_gemm_avx2_rows), which
-// measured 1.2-1.6x oneDNN's fp32 GEMM at 5-64 rows and level or ahead at 128-2048 on a Zen 3 (docs/kernels.md).
+// measured 1.07-1.44x oneDNN's fp32 GEMM at 1-256 rows and level at 2048 on a Zen 3 (docs/kernels.md).
 #include "common.h"
 
 #include <ATen/Parallel.h>
