@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -221,10 +221,13 @@ class LLMEngine:
                 raise
         return sink
 
-    def abort(self, request_id: str) -> None:
-        """Ends a request (all its completions) with finish_reason ``abort`` at the next step; its blocks are
-        freed then. Unknown or finished ids are ignored."""
-        self.engine_core.abort_requests(self.output_processor.child_ids(request_id))
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Ends a request, or several (each with all its completions), with finish_reason ``abort`` at the next
+        step; their blocks are freed then. Several ids are taken at once (as vLLM's ``abort_request`` takes a
+        list): no step falls between them, so a waiting request aborted with running ones is never admitted to
+        the slots they free. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        self.engine_core.abort_requests([child for rid in ids for child in self.output_processor.child_ids(rid)])
 
     def generate(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None) -> Iterator[RequestOutput]:

@@ -292,6 +292,25 @@ def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_mode
     run_to_completion(engine, {"run": running})
 
 
+def test_running_and_waiting_aborted_in_one_call_leave_the_waiting_one_unscheduled(make_engine, tiny_model_dir):
+    """Aborts of several ids land together: the slot the running request frees is not given to the waiting one
+    aborted with it (the Triton model's cancellation sweep aborts what it found cancelled in one call)."""
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    running = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), request_id="run")
+    engine.step()
+    waiting = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5), request_id="wait")
+    engine.step()
+    assert engine.stats().num_waiting == 1
+    prompt_tokens = engine.stats().prompt_tokens
+    engine.abort(["run", "wait", "no-such-request"])
+    engine.step()
+    assert [o.finish_reason for o in drain(waiting)] == ["abort"]
+    assert drain(running)[-1].finish_reason == "abort"
+    stats = engine.stats()
+    assert stats.prompt_tokens == prompt_tokens and stats.num_waiting == 0 and stats.num_running == 0
+    assert stats.kv.used_blocks == 0 and stats.finished.get("abort") == 2
+
+
 def test_stream_interval_sends_the_first_token_then_every_n_and_loses_nothing(engine, tiny_model_dir):
     """``stream_interval`` 4: the first token alone, then deltas of 4 tokens, the rest with the final one; the
     tokens, text and logprobs joined are those of the every-token stream; an abort delivers the held tokens."""

@@ -228,16 +228,19 @@ class TritonPythonModel:
         Served offline run of the benchmark, bf16, 2 cores: at 2000 checks a second tritonserver used 2.1-2.8
         CPU-s and this thread 1.1-1.4, at 200 0.9 and 0.2; the engine loop thread was preempted 25.4k times at
         200 and 12.5k at 50 (metrics written only when changed). The engine takes aborts before it
-        schedules, so a request cancelled while waiting is dropped without being admitted. A request is
-        aborted again on each sweep until its FINAL has gone out (an abort of an unknown id is ignored)."""
+        schedules and a sweep's aborts reach it together, so a request cancelled while waiting is dropped without
+        being admitted to the slots of running ones cancelled with it. A request is aborted again on each sweep
+        until its FINAL has gone out (an abort of an unknown id is ignored)."""
         while not self.stopping.wait(max(CANCEL_SWEEP_S, len(self.inflight) / MAX_CANCEL_CHECKS_PER_S)):
             try:
+                cancelled = []
                 for request_id in list(self.inflight):
                     with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
                         state = self.inflight.get(request_id)
-                        cancelled = state is not None and state.sender.is_cancelled()
-                    if cancelled:
-                        self.engine.abort(request_id)
+                        if state is not None and state.sender.is_cancelled():
+                            cancelled.append(request_id)
+                if cancelled:  # at once: no step between a running request's abort and a waiting one's
+                    self.engine.abort(cancelled)
             except Exception:
                 log.exception("cancellation sweep failed")
 
