@@ -272,13 +272,19 @@ def test_oversized_prompt_is_rejected_by_bytes_before_tokenizing(make_engine, ti
 
 
 # -- cancellation ------------------------------------------------------------------------------------------
-def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_model_dir):
+def one_running_one_waiting(make_engine, tiny_model_dir):
+    """An engine of one slot: request "run" running, "wait" waiting; (engine, run's sink, wait's sink)."""
     engine = make_engine(tiny_model_dir, max_num_seqs=1)
     running = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), request_id="run")
     engine.step()
     waiting = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5), request_id="wait")
     engine.step()
     assert engine.stats().num_waiting == 1
+    return engine, running, waiting
+
+
+def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_model_dir):
+    engine, running, waiting = one_running_one_waiting(make_engine, tiny_model_dir)
     queries = engine.debug_snapshot().prefix_cache_queries  # admission looks the prompt up first
     engine.abort("wait")
     engine.step()
@@ -295,12 +301,7 @@ def test_request_aborted_while_waiting_is_never_scheduled(make_engine, tiny_mode
 def test_running_and_waiting_aborted_in_one_call_leave_the_waiting_one_unscheduled(make_engine, tiny_model_dir):
     """Aborts of several ids land together: the slot the running request frees is not given to the waiting one
     aborted with it (the Triton model's cancellation sweep aborts what it found cancelled in one call)."""
-    engine = make_engine(tiny_model_dir, max_num_seqs=1)
-    running = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), request_id="run")
-    engine.step()
-    waiting = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5), request_id="wait")
-    engine.step()
-    assert engine.stats().num_waiting == 1
+    engine, running, waiting = one_running_one_waiting(make_engine, tiny_model_dir)
     prompt_tokens = engine.stats().prompt_tokens
     engine.abort(["run", "wait", "no-such-request"])
     engine.step()
