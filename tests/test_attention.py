@@ -83,7 +83,7 @@ def test_cpu_kernel_reads_nothing_past_a_sequences_last_token(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 5, 8])  # query heads per KV head: the kernel takes them 4 (or 2) at a time
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])  # query heads per KV head: the kernel takes them up to 4 at a time
 def test_cpu_kernel_covers_every_query_group_size(dtype, head_dim, group):
     import kernels.cpu
 

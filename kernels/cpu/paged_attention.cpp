@@ -332,27 +332,78 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
 }
 
 #if defined(LLM_AVX2_ONLY)
+// Lane j of the result = the sum of v[j]'s 8 lanes: eight horizontal sums in six hadds and one add (one reduction
+// per 8 keys instead of one per key).
+inline __m256 sum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes 0-3 of v[0..3] | lanes 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// acc[h] = acc[h] * alpha[h] + sum_i p[h][i] * v_i over the tile's n value rows, for NH (<= 4) query heads of one
+// KV head, 16 dimensions (one cache line of a row) at a time: 2 x NH accumulators, each row's line loaded once for
+// all NH heads.
+template <int D, int NH>
+inline void accumulate_values_avx2(const float* const* value_rows, int64_t kv_offset, int n,
+                                   const float (*p)[16], const float* alpha, float* acc, const TilePrefetch* ahead) {
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    __m256 a[NH][2];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const __m256 scale = _mm256_set1_ps(alpha[h]);
+      a[h][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0), scale);
+      a[h][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0 + 8), scale);
+    }
+    for (int i = 0; i < n; ++i) {
+      if (c0 == 0) prefetch_row<float, D * sizeof(float), false>(ahead, i, kv_offset);
+      const float* row = value_rows[i] + kv_offset + c0;
+      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const __m256 pb = _mm256_broadcast_ss(&p[h][i]);
+        a[h][0] = _mm256_fmadd_ps(pb, v0, a[h][0]);
+        a[h][1] = _mm256_fmadd_ps(pb, v1, a[h][1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      _mm256_storeu_ps(acc + h * D + c0, a[h][0]);
+      _mm256_storeu_ps(acc + h * D + c0 + 8, a[h][1]);
+    }
+  }
+}
+
 // fp32 decode on AVX2: the `group` query heads of one KV head (queries `qv`, fp32 and scaled, D floats each)
-// against `n` keys read in place. A dot product is D / 8 multiply-adds and a horizontal sum; the softmax runs on
-// 8 lanes; each value row, loaded a quarter row at a time, serves two heads' accumulators.
+// against `n` keys read in place. Scores go 8 keys at a time per head (8 independent multiply-add chains sharing
+// each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
+// heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see tile_kernel), their
+// scores masked.
 template <int D>
 inline void attend_tile_avx2(int64_t group, const float* qv, const float* const* key_rows,
                              const float* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
                              float* acc, const TilePrefetch* ahead) {
   alignas(32) float scores[MAX_GROUP][16];
+  const int halves = n > 8 ? 2 : 1;
   for (int64_t g = 0; g < group; ++g) {
     const float* q = qv + g * D;
-    for (int i = 0; i < n; ++i) {
-      if (g == 0) prefetch_row<float, D * sizeof(float), true>(ahead, i, kv_offset);
-      const float* key = key_rows[i] + kv_offset;
-      __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
-      __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(key + 8));
-      for (int d = 16; d < D; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(key + d + 8), s1);
+    for (int half = 0; half < halves; ++half) {
+      const float* key[8];
+      for (int i = 0; i < 8; ++i) {
+        if (g == 0) prefetch_row<float, D * sizeof(float), true>(ahead, 8 * half + i, kv_offset);
+        key[i] = key_rows[8 * half + i] + kv_offset;
       }
-      scores[g][i] = reduce8(_mm256_add_ps(s0, s1), false);
+      __m256 dots[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key[i]));
+      for (int d = 8; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(key[i] + d), dots[i]);
+      }
+      _mm256_store_ps(scores[g] + 8 * half, sum8x8(dots));
     }
+    if (halves == 1) _mm256_store_ps(scores[g] + 8, _mm256_setzero_ps());
   }
   float alpha[MAX_GROUP];
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -372,31 +423,15 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const float* const*
     maximum[g] = m;
     sum[g] = sum[g] * alpha[g] + reduce8(_mm256_add_ps(e_lo, e_hi), false);
   }
-  for (int64_t g = 0; g < group; g += 2) {
-    const int heads = group - g >= 2 ? 2 : 1;
-    for (int c0 = 0; c0 < D; c0 += 32) {
-      __m256 a[2][4];
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scale = _mm256_set1_ps(h < heads ? alpha[g + h] : 0.f);
-        for (int c = 0; c < 4; ++c)
-          a[h][c] = h < heads ? _mm256_mul_ps(_mm256_loadu_ps(acc + (g + h) * D + c0 + 8 * c), scale) : _mm256_setzero_ps();
-      }
-      for (int i = 0; i < n; ++i) {
-        if (g == 0 && c0 == 0) prefetch_row<float, D * sizeof(float), false>(ahead, i, kv_offset);
-        const float* row = value_rows[i] + kv_offset + c0;
-        const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
-        const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 pb = _mm256_set1_ps(h < heads ? scores[g + h][i] : 0.f);
-          a[h][0] = _mm256_fmadd_ps(pb, v0, a[h][0]);
-          a[h][1] = _mm256_fmadd_ps(pb, v1, a[h][1]);
-          a[h][2] = _mm256_fmadd_ps(pb, v2, a[h][2]);
-          a[h][3] = _mm256_fmadd_ps(pb, v3, a[h][3]);
-        }
-      }
-      for (int h = 0; h < heads; ++h)
-        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + (g + h) * D + c0 + 8 * c, a[h][c]);
-    }
+  for (int64_t g = 0; g < group;) {
+    const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
+    const TilePrefetch* rows_ahead = g == 0 ? ahead : nullptr;
+    float* a = acc + g * D;
+    if (heads == 4) accumulate_values_avx2<D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else if (heads == 3) accumulate_values_avx2<D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else if (heads == 2) accumulate_values_avx2<D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else accumulate_values_avx2<D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    g += heads;
   }
 }
 #endif
