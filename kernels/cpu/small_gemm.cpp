@@ -277,9 +277,11 @@ inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const float* 
 // MB (1-6) rows against one block of 16 outputs over k in [0, kc), the 6 x 16 register block of BLIS's Haswell
 // sgemm kernel (Van Zee & van de Geijn, "BLIS", ACM TOMS 2015; 12 accumulators, the block's two weight vectors, a
 // broadcast row value): c[m * 16 + n] (+)= sum_k x[m * ldx + k] w[16 * k + n], k in order, so splitting K into
-// chunks (accumulate: start from c) gives the same sums bit for bit.
+// chunks (accumulate: start from c) gives the same sums bit for bit. With `pf`, lines pf + 64 * i for i < pf_lines
+// (<= kc) are prefetched into L2, one per k.
 template <int MB>
-inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const float* w, float* c, bool accumulate) {
+inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const float* w, float* c, bool accumulate,
+                          const char* pf, int64_t pf_lines) {
   // Every loop over rows unrolled: GCC otherwise keeps the accumulators in memory, a store per multiply-add.
   __m256 acc[MB][2];
 #pragma GCC unroll 6
@@ -288,6 +290,7 @@ inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const float* 
     acc[m][1] = accumulate ? _mm256_load_ps(c + 16 * m + 8) : _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
+    if (k < pf_lines) __builtin_prefetch(pf + 64 * k, 0, 1);
     const __m256 w0 = _mm256_loadu_ps(w + 16 * k), w1 = _mm256_loadu_ps(w + 16 * k + 8);
 #pragma GCC unroll 6
     for (int m = 0; m < MB; ++m) {
@@ -414,7 +417,9 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 // and within a panel, one block of 16 outputs at a time, the panel's rows through it in passes of up to 6
 // (fma_tile_avx2, rows spread evenly over the passes) and K in chunks: a chunk of the block (at most 64 KiB) stays in
 // L2 from the first pass, which streams it from memory, to the last. Threads take (panel, block) items in order,
-// so both work on the same panel of x at a time.
+// so both work on the same panel of x at a time. The first chunk of the item a thread most likely takes next (the
+// threads take items in turn) is prefetched into L2 over the passes of the current item's last chunk, a share per
+// pass, so that the next item's first pass does not wait on memory (as NextGroup does for the paths above).
 static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                                  c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
@@ -426,21 +431,28 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
   const int64_t kc_max = std::min(AVX2_K_CHUNK, K);
   const int64_t panel_max = std::clamp<int64_t>(AVX2_PANEL_BYTES / (kc_max * 4) / 6 * 6, 6, AVX2_PANEL_MAX_ROWS);
   const int64_t panels = (M + panel_max - 1) / panel_max;
+  const int64_t items = NB * panels;
   std::atomic<int64_t> taken{0};
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), NB * panels)))
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), items)))
   {
     alignas(64) float c[AVX2_PANEL_MAX_ROWS * 16];
-    for (int64_t item = taken.fetch_add(1); item < NB * panels; item = taken.fetch_add(1)) {
+    const int64_t threads = omp_get_num_threads();
+    for (int64_t item = taken.fetch_add(1); item < items; item = taken.fetch_add(1)) {
       const int64_t panel = item / NB, nb = item % NB;
       const int64_t r0 = panel * M / panels, r1 = (panel + 1) * M / panels;  // the panel's rows, spread evenly
       const int64_t passes = (r1 - r0 + 5) / 6;
       const float* w = ws + nb * K * 16;
+      const int64_t next = item + threads;
+      const char* next_w = passes >= 2 && next < items ? reinterpret_cast<const char*>(ws + next % NB * K * 16) : nullptr;
       for (int64_t k0 = 0; k0 < K; k0 += AVX2_K_CHUNK) {
         const int64_t kc = std::min(AVX2_K_CHUNK, K - k0);
+        const int64_t pf_lines = next_w && k0 + kc == K ? std::min(kc_max, kc) : 0;  // a line per k of its chunk
         for (int64_t p = 0, m0 = r0; p < passes; ++p) {
           const int64_t rows = (r1 - m0) / (passes - p);  // the remaining rows over the remaining passes
+          const int64_t first = p * pf_lines / passes, share = (p + 1) * pf_lines / passes - first;
           with_rows(rows, [&](auto mb) {
-            fma_tile_avx2<decltype(mb)::value>(xs + m0 * K + k0, K, kc, w + k0 * 16, c + (m0 - r0) * 16, k0 > 0);
+            fma_tile_avx2<decltype(mb)::value>(xs + m0 * K + k0, K, kc, w + k0 * 16, c + (m0 - r0) * 16, k0 > 0,
+                                               next_w + 64 * first, share);
           });
           m0 += rows;
         }
