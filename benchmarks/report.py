@@ -282,6 +282,8 @@ def page_markdown(report: dict) -> str:
     lines += ["", f"Every run produced exactly the workload's output lengths: "
                   f"{'yes' if checks['all_tokens_exact'] else '**no**'}."]
     lines += agreement_lines(checks)
+    lines += [f"**{LABELS[system]} did not run as prescribed here**: {note}." for system, note in
+              dict.fromkeys((r["system"], n) for r in report["runs"] for n in r.get("notes", []) if DEVIATION in n)]
     return "\n".join(lines) + "\n"
 
 
@@ -292,6 +294,9 @@ def agreement_lines(checks: dict) -> list[str]:
             for mode, agreement in checks.get(f"same_first_tokens_as_{peer}", {}).items()]
 
 
+# The wording of a run's note that says a system ran without part of its prescribed setup (reports written before
+# the benchmark refused to run vLLM without tcmalloc carry "... vLLM ran without it"): the page shows such notes.
+DEVIATION = "ran without"
 PAGE_RATIOS = ("engine_vs_vllm", "server_vs_vllm", "engine_vs_llamacpp", "server_vs_engine", "engine_vs_static",
                "engine_vs_naive")
 

@@ -7,8 +7,9 @@ one ``LLMEngine`` for all modes: its start-up compiles for about a minute and is
 
 Its settings follow ours: the same model directory, dtype, ``max_num_seqs``, ``max_num_batched_tokens``,
 threads (``VLLM_CPU_OMP_THREADS_BIND``), KV pool (``VLLM_CPU_KVCACHE_SPACE``), with tcmalloc and Intel
-OpenMP preloaded as vLLM's CPU installation docs say (a note says so if tcmalloc is missing:
-``apt-get install libtcmalloc-minimal4``).
+OpenMP preloaded as vLLM's CPU installation docs say. Without tcmalloc the peer does not run (vLLM's CPU build
+loses much of its speed on glibc's allocator, and a comparison against it would flatter us):
+``apt-get install libtcmalloc-minimal4``.
 """
 
 from __future__ import annotations
@@ -55,18 +56,23 @@ def ensure_venv(venv: Path = VLLM_VENV) -> Path:
     return python
 
 
-def vllm_environment(config: BenchConfig, venv: Path = VLLM_VENV) -> tuple[dict[str, str], list[str]]:
-    """The environment vLLM's CPU docs prescribe for these settings, and notes on anything missing."""
-    notes = []
+def vllm_environment(config: BenchConfig, venv: Path = VLLM_VENV, tcmalloc_glob: str = TCMALLOC_GLOB
+                     ) -> tuple[dict[str, str], list[str]]:
+    """The environment vLLM's CPU docs prescribe for these settings, and notes on it.
+
+    Raises:
+        RuntimeError: tcmalloc is not installed (``apt-get install libtcmalloc-minimal4``).
+    """
+    tcmalloc = sorted(glob.glob(tcmalloc_glob))[:1]
+    if not tcmalloc:
+        raise RuntimeError("vLLM's CPU build runs with tcmalloc preloaded (its installation docs); "
+                           f"none matches {tcmalloc_glob}: apt-get install libtcmalloc-minimal4")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(max(1, config.kv_cache_bytes >> 30)),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{config.threads - 1}", HF_HUB_OFFLINE="1",
                VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
-    preload = sorted(glob.glob(TCMALLOC_GLOB))[:1]
-    if not preload:
-        notes.append("tcmalloc not found (apt-get install libtcmalloc-minimal4): vLLM ran without it")
-    preload += sorted(glob.glob(str(venv / "lib" / "libiomp5.so")))[:1]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
+    iomp = sorted(glob.glob(str(venv / "lib" / "libiomp5.so")))[:1]
+    env["LD_PRELOAD"] = ":".join(tcmalloc + iomp)
+    notes = [f"LD_PRELOAD {env['LD_PRELOAD']}"]
     return env, notes
 
 

@@ -285,3 +285,31 @@ def test_memory_floor_counts_every_weight_and_each_cached_token_once_a_step(tiny
     assert sum(len(r.prompt_ids) * (r.output_len - 1) for r in requests) <= kv_tokens
     assert kv_tokens <= sum((len(r.prompt_ids) + r.output_len) * r.output_len for r in requests)
     assert "At 18 GB/s these bytes take at least" in result.markdown(18.0)
+
+
+def test_vllm_runs_only_with_tcmalloc_preloaded_and_older_reports_say_where_it_did_not(tmp_path):
+    from benchmarks.report import page_markdown
+    from benchmarks.vllm_system import vllm_environment
+
+    config = BenchConfig(threads=2)
+    with pytest.raises(RuntimeError, match="apt-get install libtcmalloc-minimal4"):
+        vllm_environment(config, tmp_path, tcmalloc_glob=str(tmp_path / "lib*" / "libtcmalloc_minimal.so.4"))
+    (tmp_path / "lib").mkdir()
+    tcmalloc = tmp_path / "lib" / "libtcmalloc_minimal.so.4"
+    tcmalloc.write_bytes(b"")
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env, notes = vllm_environment(config, tmp_path, tcmalloc_glob=str(tmp_path / "lib*" / "libtcmalloc_minimal.so.4"))
+    assert env["LD_PRELOAD"] == f"{tcmalloc}:{tmp_path / 'lib' / 'libiomp5.so'}"  # tcmalloc first, as the docs do
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and notes == [f"LD_PRELOAD {env['LD_PRELOAD']}"]
+
+    # A report written while the benchmark only noted the missing allocator: the page says so under its table.
+    report = json.loads((Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-fp32.json").read_text())
+    for run in report["runs"]:
+        run["notes"] = [n for n in run.get("notes", []) if "tcmalloc" not in n]
+    assert "did not run as prescribed" not in page_markdown(report)
+    for run in report["runs"]:
+        if run["system"] == "vllm":  # every round of it: shown once
+            run["notes"].append("tcmalloc not found (apt-get install libtcmalloc-minimal4): vLLM ran without it")
+    page = page_markdown(report)
+    assert page.count("did not run as prescribed here") == 1
+    assert "vLLM CPU, in process did not run as prescribed here**: tcmalloc not found" in page
