@@ -35,6 +35,7 @@ from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
 from openai_frontend.text_check import LoneSurrogateMiddleware
+from openai_frontend.token_bytes import TextOffsets, TokenBytes
 from openai_frontend.token_routes import token_routes
 from openai_frontend.tool_calls import ToolCallParser, ToolChoice
 from openai_frontend.triton_stream import Delta, TritonLLM
@@ -133,13 +134,16 @@ def create_app(config: FrontendConfig) -> FastAPI:
         echo_logprobs = bool(body.echo) and body.logprobs is not None
         if echo_logprobs:  # the prompt's tokens come back with their logprobs, from the prefill itself
             sampling["prompt_logprobs"] = max(body.prompt_logprobs or 0, body.logprobs)
-        texts, ids = [p if isinstance(p, str) else "" for p in prompts], [None] * len(prompts)
-        if body.echo and (echo_logprobs or any(not isinstance(p, str) for p in prompts)):
+        texts, ids, token_bytes = [p if isinstance(p, str) else "" for p in prompts], [None] * len(prompts), None
+        if body.logprobs is not None or (body.echo and any(not isinstance(p, str) for p in prompts)):
             tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
-            texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs)
+            token_bytes = TokenBytes(tokenizer, body.skip_special_tokens is not False)
+            if body.echo:
+                texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs)
         request_id = _request_id(body, request)
         view = _View("text_completion", f"cmpl-{request_id}", body.model, chat=False, echo=bool(body.echo),
                      prompts=texts, n=body.n or 1, top_n=body.logprobs, echo_only=echo_only, prompt_ids=ids,
+                     token_bytes=token_bytes,
                      prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage)
         events = _merged(triton, name, version, prompts, sampling, request_id)
         if echo_logprobs:
@@ -167,7 +171,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
                      prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
                      prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage,
                      end_token_ids=frozenset(tokenizer.all_special_ids) if body.skip_special_tokens is not False
-                     else frozenset())
+                     else frozenset(), token_bytes=TokenBytes(tokenizer, body.skip_special_tokens is not False))
         events = _merged(triton, name, version, [prompt], sampling, request_id)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
@@ -205,15 +209,14 @@ def _request_id(body, request: Request) -> str:
 
 
 def _echo_prompts(tokenizer, prompts: list[str | list[int]], with_ids: bool) -> tuple[list[str], list]:
-    """Each prompt's text (token ids decoded) and, when ``with_ids``, (its token ids as the engine computes them,
-    with the same tokenizer and call, and its first token's text): they name the prompt's tokens in echoed
-    logprobs."""
+    """Each prompt's text (token ids decoded) and, when ``with_ids``, its token ids as the engine computes them
+    (the same tokenizer and call): they name the prompt's tokens in echoed logprobs."""
     texts, ids = [], []
     for prompt in prompts:
         texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt))
         if with_ids:
             token_ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else prompt
-            ids.append((token_ids, tokenizer.decode(token_ids[:1])))
+            ids.append(token_ids)
         else:
             ids.append(None)
     return texts, ids
@@ -287,8 +290,10 @@ class _Choice:
 
     completion: Completion
     echoed: str = ""  # the prompt, with echo: before the completion's text
-    chars_sent: int = 0  # characters of the answer so far (logprobs' text_offset)
-    logprobs: list = field(default_factory=list)  # (token, logprob, top) entries, echoed prompt tokens first
+    chars_sent: int = 0  # characters of the answer so far
+    logprobs: list = field(default_factory=list)  # (token id, logprob, top) entries, echoed prompt tokens first
+    text_offsets: TextOffsets | None = None  # logprobs' text_offset, from the tokens' bytes
+    offsets: list = field(default_factory=list)  # the text_offset of each entry of ``logprobs``
     started: bool = False
     role_sent: bool = False
     tool_parser: ToolCallParser | None = None  # chat with tools: splits the reply into content and tool calls
@@ -312,7 +317,8 @@ class _View:
     top_n: int | None
     tools: ToolChoice | None = None
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
-    prompt_ids: list | None = None  # per prompt (token ids, first token's text), where echoed logprobs need them
+    prompt_ids: list | None = None  # per prompt token ids, where echoed logprobs need them
+    token_bytes: TokenBytes | None = None  # with logprobs: how tokens are named, and their text offsets
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field is answered
     continuous_usage: bool = False  # streaming: usage so far in every chunk
     # Chat: a special token that ends the reply (end of turn) is not part of the message, so, as at OpenAI, it
@@ -345,13 +351,17 @@ class _View:
             if self.top_n is not None:
                 entries = self._prompt_entries(prompt_index) + entries
         choice.started = True
-        offset, choice.chars_sent = choice.chars_sent, choice.chars_sent + len(text)
+        choice.chars_sent += len(text)
         self.num_input_tokens[prompt_index] = delta.num_input_tokens
         self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
         new_logprobs = None
         if self.top_n is not None:
+            if choice.text_offsets is None:
+                choice.text_offsets = self.token_bytes.offsets()
+            offsets = [choice.text_offsets.next(e[0]) for e in entries]
             choice.logprobs.extend(entries)
-            new_logprobs = self.logprobs(entries, offset=offset)
+            choice.offsets.extend(offsets)
+            new_logprobs = self.logprobs(entries, offsets)
         return index, choice, text, new_logprobs
 
     def text(self, choice: _Choice) -> str:
@@ -359,33 +369,30 @@ class _View:
         return choice.echoed + ("" if self.echo_only else choice.completion.joined_text)
 
     def _prompt_entries(self, prompt_index: int) -> list:
-        """The echoed prompt's (token, logprob, top) entries: the first token has no logprob (None)."""
+        """The echoed prompt's (token id, logprob, top) entries: the first token has no logprob (None)."""
         raw = self.raw_prompt_logprobs.get(prompt_index)
-        ids, first_text = (self.prompt_ids or [None] * (prompt_index + 1))[prompt_index] or ([], "")
+        ids = (self.prompt_ids or [None] * (prompt_index + 1))[prompt_index] or []
         if raw is None or len(raw) != len(ids):
             raise OpenAIError(500, "the prompt's logprobs did not come back with the answer", "internal_error")
-        entries = [(first_text, None, None)]
+        entries = [(ids[0], None, None)] if ids else []
         for token_id, alternatives in zip(ids[1:], raw[1:]):
             ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
-            top = [(a["decoded_token"], a["logprob"]) for _, a in ranked[:self.top_n]]
-            entry = alternatives[str(token_id)]
-            entries.append((entry["decoded_token"], entry["logprob"], top))
+            top = [(int(i), a["logprob"]) for i, a in ranked[:self.top_n]]
+            entries.append((token_id, alternatives[str(token_id)]["logprob"], top))
         return entries
 
-    def logprobs(self, entries: list, offset: int = 0):
+    def logprobs(self, entries: list, offsets: list[int]):
         """OpenAI's logprobs object for these tokens: chat's ``{"content": [...]}`` or the completions form
-        (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset`` from ``offset`` characters)."""
+        (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: ``offsets``). Tokens are named by
+        ``token_bytes`` (a token that holds part of a character by its bytes)."""
+        name, raw = self.token_bytes.name, self.token_bytes.of
         if self.chat:
-            return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
-                                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+            return {"content": [{"token": name(token), "logprob": logprob, "bytes": list(raw(token)),
+                                 "top_logprobs": [{"token": name(t), "logprob": lp, "bytes": list(raw(t))}
                                                   for t, lp in top]}
                                 for token, logprob, top in entries]}
-        offsets = []
-        for token, _, _ in entries:
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
+        return {"tokens": [name(e[0]) for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [None if top is None else {name(t): lp for t, lp in top} for _, _, top in entries],
                 "text_offset": offsets}
 
     def usage(self) -> dict:
@@ -399,14 +406,14 @@ class _View:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def _logprob_entries(delta: Delta, top_n: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """(token, logprob, top alternatives) per new token, from the model's vLLM-form ``logprobs`` output."""
+def _logprob_entries(delta: Delta, top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """(token id, logprob, top alternatives) per new token, from the model's vLLM-form ``logprobs`` output."""
     entries = []
     for token_id, alternatives in zip(delta.token_ids, delta.logprobs or []):
         ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
         sampled = alternatives.get(str(token_id)) or {}
-        top = [(a["decoded_token"], a["logprob"]) for _, a in ranked[:top_n]]
-        entries.append((sampled.get("decoded_token", ""), sampled.get("logprob"), top))
+        top = [(int(i), a["logprob"]) for i, a in ranked[:top_n]]
+        entries.append((token_id, sampled.get("logprob"), top))
     return entries
 
 
@@ -437,7 +444,7 @@ async def _collect(view: _View, first, events) -> dict:
     for index in sorted(view.choices):
         choice = view.choices[index]
         text = view.text(choice)
-        logprobs = view.logprobs(choice.logprobs) if view.top_n is not None else None  # echoed: from the prompt
+        logprobs = view.logprobs(choice.logprobs, choice.offsets) if view.top_n is not None else None  # echoed: from the prompt
         if view.chat and choice.tool_parser is not None:
             parser = choice.tool_parser
             parser.feed(text)

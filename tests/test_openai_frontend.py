@@ -6,6 +6,7 @@ output depends on what shares the batch and on prefix-cache hits."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 
@@ -219,6 +220,39 @@ def test_echo_with_logprobs_returns_the_prompt_tokens_scored_by_the_model(client
     assert logprobs.text_offset[len(ids)] == len(PROMPT)
     plain = client.completions.create(model="llm", prompt=PROMPT, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.server
+def test_logprobs_name_tokens_that_split_a_character_by_their_bytes(client, tokenizer):
+    """An emoji is several byte-level tokens, each decoding alone to U+FFFD: as at OpenAI, such a token is
+    ``bytes:\\xNN...``, chat's ``bytes`` are its own, and text offsets count whole characters."""
+    prompt = "I ❤️ NY 😀😃😄"
+    ids = tokenizer.encode(prompt)
+    out = client.completions.create(model=FP32, prompt=prompt, max_tokens=6, temperature=0, logprobs=5, echo=True)
+    logprobs = out.choices[0].logprobs
+    prompt_names = logprobs.tokens[:len(ids)]
+    assert any(name.startswith("bytes:\\x") for name in prompt_names)
+    assert "\ufffd" not in "".join(logprobs.tokens)
+    spelled = b"".join(bytes.fromhex(n[6:].replace("\\x", "")) if n.startswith("bytes:") else n.encode()
+                       for n in prompt_names)
+    assert spelled.decode() == prompt
+    assert logprobs.text_offset[prompt_names.index(" NY")] == len("I ❤️")
+    assert logprobs.text_offset[len(ids)] == len(prompt)
+    for j in range(len(ids), len(logprobs.tokens)):  # greedy: the sampled token is the top one, named alike
+        top = logprobs.top_logprobs[j]
+        assert len(top) == 5, top
+        assert top[logprobs.tokens[j]] == pytest.approx(logprobs.token_logprobs[j])
+        assert max(top.values()) == pytest.approx(logprobs.token_logprobs[j])
+    streamed = client.completions.create(model=FP32, prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
+                                         echo=True, stream=True)
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == logprobs.text_offset
+    chat = client.chat.completions.create(model=FP32, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "Reply with three emoji."}])
+    content = chat.choices[0].logprobs.content
+    spelled = codecs.getincrementaldecoder("utf-8")().decode(bytes(b for t in content for b in t.bytes))
+    assert spelled == chat.choices[0].message.content  # the whole characters (the answer may end inside one)
+    assert all(t.bytes != [239, 191, 189] for t in content)
 
 
 @pytest.mark.server
