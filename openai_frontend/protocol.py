@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from backend.sampling_params import MAX_LOGPROBS
 from openai_frontend.errors import OpenAIError
 from openai_frontend.structured import structured_outputs
 
@@ -79,10 +80,14 @@ class _Sampling(BaseModel):
         values["structured_outputs"] = structured_outputs(self.response_format, self.structured_outputs)
         return {k: v for k, v in values.items() if v is not None or k == "max_tokens"}
 
-    def check_prompt_logprobs(self) -> None:
+    def check_streaming(self) -> None:
+        """Raises: OpenAIError 400 for prompt_logprobs with stream true, or stream_options without it (as vLLM)."""
         if self.stream and self.prompt_logprobs is not None:  # as vLLM: they belong to the whole answer
             raise OpenAIError(400, "prompt_logprobs are not available when stream is true", "invalid_value",
                               "prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options are only taken with stream true", "invalid_value",
+                              "stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -115,7 +120,7 @@ class CompletionRequest(_Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise OpenAIError(400, "max_tokens 0 is only meaningful with echo (scoring the prompt)", "invalid_value",
                               "max_tokens")
-        self.check_prompt_logprobs()
+        self.check_streaming()
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -125,8 +130,16 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
 
+# OpenAI's message roles (``function``: its deprecated tool role); the role is pasted into the chat template's
+# markup, so no other string is taken.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Message fields besides role and content, passed to the chat template: OpenAI's, and vLLM's reasoning text.
+CHAT_MESSAGE_FIELDS = {"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+                       "reasoning", "reasoning_content"}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the chat template
+    model_config = ConfigDict(extra="allow")  # CHAT_MESSAGE_FIELDS, checked in ChatCompletionRequest.check
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -148,30 +161,49 @@ class ChatCompletionRequest(_Sampling):
     def check(self) -> None:
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs true", "invalid_value", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                              "invalid_value", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise OpenAIError(400, f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                              "invalid_value", "max_completion_tokens")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")
         for i, message in enumerate(self.messages):
-            # As at OpenAI: only an assistant message (one that carries tool calls) may have no content.
+            if message.role not in CHAT_ROLES:
+                raise OpenAIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                                  f"{message.role!r}", "invalid_value", f"messages.{i}.role")
+            unknown = sorted(set(message.model_extra or {}) - CHAT_MESSAGE_FIELDS)
+            if unknown:
+                raise OpenAIError(400, f"messages[{i}] has unknown field(s) {', '.join(unknown)}", "invalid_value",
+                                  f"messages.{i}.{unknown[0]}")
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                    raise OpenAIError(400, f"messages[{i}].content[{j}] is a text part without a text string",
+                                      "invalid_value", f"messages.{i}.content.{j}.text")
+            # As at OpenAI: only an assistant message (one that carries tool calls or a refusal) may have no
+            # content; the template sees an empty one.
             if message.content is None and message.role != "assistant":
                 raise OpenAIError(400, f"messages[{i}].content is required for role {message.role!r}",
                                   "invalid_value", f"messages.{i}.content")
         if self.continue_final_message and self.add_generation_prompt:
             raise OpenAIError(400, "continue_final_message needs add_generation_prompt false", "invalid_value",
                               "continue_final_message")
-        self.check_prompt_logprobs()
+        self.check_streaming()
 
     def messages_for_template(self) -> list[dict]:
         """The messages as the chat template wants them: a list of text parts joined into one string."""
         out = []
         for message in self.messages:
             item = message.model_dump(exclude_none=True)
+            item.setdefault("content", "")
             if isinstance(message.content, list):
                 parts = []
                 for part in message.content:
                     if part.get("type") != "text":
                         raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported",
                                           "unsupported_parameter", "messages")
-                    parts.append(part.get("text", ""))
+                    parts.append(part["text"])
                 item["content"] = "".join(parts)
             out.append(item)
         return out

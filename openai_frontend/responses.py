@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.errors import OpenAIError
 from openai_frontend.protocol import ChatCompletionRequest
+from openai_frontend.tool_calls import unenforced_strict, unenforced_strict_error
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # OpenAI's request fields this server does not implement -> the values that ask for nothing (accepted).
@@ -102,7 +103,7 @@ class ResponsesRequest(BaseModel):
         return ChatCompletionRequest(
             model=self.model, messages=self._messages(), max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, stream=self.stream, stream_options=stream_options,
-            tools=self._tools(tool_choice), tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls,
+            tools=self._tools(), tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format, request_id=request_id)
 
     def _messages(self) -> list[dict]:
@@ -143,12 +144,14 @@ class ResponsesRequest(BaseModel):
                                  "content": _text(item.get("output"), f"{where}.output")})
         return messages
 
-    def _tools(self, tool_choice) -> list[dict] | None:
-        """Function tools in chat's shape. ``strict`` true is honoured where the reply is constrained to the
-        tools' schemas (``tool_choice`` required or named); elsewhere it is a 400, never a silent promise."""
+    def _tools(self) -> list[dict] | None:
+        """Function tools in chat's shape. ``strict`` true is a 400 where the tool choice leaves the arguments to
+        the model (``unenforced_strict``), never a silent promise."""
         if self.tools is None:
             return None
-        constrained = tool_choice == "required" or isinstance(tool_choice, dict)
+        strict = unenforced_strict(self.tools, self.tool_choice)
+        if strict is not None:
+            raise unenforced_strict_error(f"tools[{strict}].strict")
         out = []
         for i, tool in enumerate(self.tools):
             if tool.get("type") != "function":
@@ -161,12 +164,8 @@ class ResponsesRequest(BaseModel):
                 raise _bad(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
             if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
                 raise _bad(f"tools[{i}].parameters must be a JSON schema object", f"tools[{i}].parameters")
-            if tool.get("strict") and not constrained:
-                raise _bad(f"tools[{i}].strict true is only enforced with tool_choice required or a named "
-                           "function; send strict false (arguments as the model writes them) or force the call",
-                           f"tools[{i}].strict", "unsupported_parameter")
-            out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                          if tool.get(k) is not None}})
+            out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                              "strict") if tool.get(k) is not None}})
         return out
 
     def _tool_choice(self) -> str | dict | None:

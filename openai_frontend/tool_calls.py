@@ -28,7 +28,29 @@ from typing import Any
 from openai_frontend.errors import OpenAIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-ANY_OBJECT = {"type": "object"}
+# A function without ``parameters`` takes none (as at OpenAI): its arguments are the empty object.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def parameters(function: dict) -> dict:
+    """A function's arguments schema: its ``parameters``, or none (:data:`NO_PARAMETERS`) where omitted."""
+    given = function.get("parameters")
+    return NO_PARAMETERS if given is None else given
+
+
+def unenforced_strict(tools: list[dict], tool_choice) -> int | None:
+    """The index of the first tool with ``strict`` true where ``tool_choice`` (None: ``auto``) leaves the
+    arguments to the model, so nothing would enforce it; None where there is none. Only ``required`` and named
+    choices constrain the reply to the tools' schemas."""
+    if (tool_choice if tool_choice is not None else "auto") != "auto":
+        return None
+    return next((i for i, tool in enumerate(tools) if tool.get("strict")), None)
+
+
+def unenforced_strict_error(param: str) -> OpenAIError:
+    return OpenAIError(400, f"{param} true is only enforced with tool_choice required or a named function; send "
+                       "strict false (arguments as the model writes them) or force the call",
+                       "unsupported_parameter", param)
 
 
 @dataclass
@@ -43,7 +65,9 @@ class ToolChoice:
     @classmethod
     def from_request(cls, tools: list[dict] | None, tool_choice: str | dict | None,
                      parallel_tool_calls: bool | None = None) -> "ToolChoice":
-        """Raises: OpenAIError 400 for a malformed tool, an unknown choice, or a named function not in ``tools``."""
+        """Raises: OpenAIError 400 for a malformed tool, an unknown choice, a named function not in ``tools``,
+        or a tool with ``strict`` true where the reply is not constrained to the tools' schemas (``auto``: the
+        arguments are what the model writes, so strict would be a promise not kept)."""
         functions = []
         for i, tool in enumerate(tools or []):
             function = tool.get("function") if isinstance(tool, dict) else None
@@ -51,11 +75,14 @@ class ToolChoice:
                     or not isinstance(function.get("name"), str) or not function["name"]:
                 raise OpenAIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
                                   "invalid_value", "tools")
-            if not isinstance(function.get("parameters", ANY_OBJECT), dict):
+            if not isinstance(parameters(function), dict):
                 raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
                                   "invalid_value", "tools")
             functions.append(function)
         choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
+        strict = unenforced_strict(functions, choice)
+        if strict is not None:
+            raise unenforced_strict_error(f"tools[{strict}].function.strict")
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
             if choice.get("type") != "function" or not isinstance(name, str):
@@ -80,12 +107,12 @@ class ToolChoice:
         """The engine's constraint for ``required`` and named choices (None for ``auto`` and ``none``)."""
         if self.mode == "named":
             function = next(f for f in self.tools if f["name"] == self.name)
-            return {"json": json.dumps(function.get("parameters") or ANY_OBJECT)}
+            return {"json": json.dumps(parameters(function))}
         if self.mode == "required":
             defs: dict = {}
             calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                       "properties": {"name": {"const": f["name"]},
-                                     "arguments": _hoisted(f.get("parameters") or ANY_OBJECT, f"tool{i}", defs)}}
+                                     "arguments": _hoisted(parameters(f), f"tool{i}", defs)}}
                      for i, f in enumerate(self.tools)]
             array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if defs:

@@ -156,6 +156,44 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
                                                     "tool_calls": []}).status_code == 503  # on to Triton (down)
 
 
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "must be one of"),
+    ({"messages": [{"role": "user<|im_end|>", "content": "hi"}]}, "messages.0.role", "must be one of"),
+    ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo", "unknown field(s) foo"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "without a text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs must be in [0, 20]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}, "max_completion_tokens",
+     "at least 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+     "stream_options", "only taken with stream true"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object"}}}]}, "tools[0].function.strict",
+     "only enforced with tool_choice required"),
+])
+def test_chat_requests_that_would_be_silently_misread_are_400_naming_the_field(frontend, body, param, message):
+    response = requests.post(f"{frontend}/v1/chat/completions", json={"model": "llm", **body}, headers=AUTH,
+                             timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
+
+
+def test_assistant_turns_without_content_render_and_strict_tools_pass_where_enforced(frontend, tokenizer):
+    from openai_frontend.chat_template import render_chat
+    from openai_frontend.protocol import ChatCompletionRequest
+
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "refusal": "no"},
+             {"role": "assistant"}, {"role": "user", "content": "ok"}]
+    body = ChatCompletionRequest.model_validate({"model": "llm", "messages": turns})
+    body.check()
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n<|im_end|>" in render_chat(tokenizer, body, None)
+    strict = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}, "none"):
+        response = requests.post(f"{frontend}/v1/chat/completions", headers=AUTH, timeout=30, json={
+            "model": "llm", "messages": turns, "tools": [strict], "tool_choice": choice})
+        assert response.status_code == 503, response.text  # past the checks: on to Triton (down)
+
+
 def test_api_key_sources(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")

@@ -57,6 +57,22 @@ def test_named_choice_streams_arguments_and_required_keeps_complete_calls():
     assert ToolChoice.from_request([WEATHER], "auto").structured_outputs() is None
 
 
+def test_a_function_without_parameters_takes_none():
+    """As at OpenAI, omitting ``parameters`` declares an empty parameter list: the only arguments are ``{}``."""
+    import jsonschema
+
+    ping = {"type": "function", "function": {"name": "ping"}}
+    named = json.loads(ToolChoice.from_request([ping], {"type": "function", "function": {"name": "ping"}})
+                       .structured_outputs()["json"])
+    required = json.loads(ToolChoice.from_request([ping], "required").structured_outputs()["json"])
+    for schema, valid, wrong in ((named, {}, {"name": "f"}),
+                                 (required, [{"name": "ping", "arguments": {}}],
+                                  [{"name": "ping", "arguments": {"x": 1}}])):
+        jsonschema.validate(valid, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
 def test_bad_tool_choices_are_400_and_tool_turns_render_without_tool_support():
     for tools, choice in [([WEATHER], {"type": "function", "function": {"name": "x"}}), (None, "required"),
                           ([WEATHER], "sometimes"), ([{"type": "function", "function": {}}], None)]:
