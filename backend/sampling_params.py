@@ -39,7 +39,7 @@ class SamplingParams:
             output (Keskar et al. 2019, CTRL); 1 is off.
         presence_penalty: subtracted once from tokens already in the output (OpenAI semantics).
         frequency_penalty: subtracted per occurrence in the output (OpenAI semantics).
-        seed: a per-request random generator seed: the same seed gives the same tokens whatever shares the batch.
+        seed: a per-request random generator seed (any int64): the same seed gives the same tokens whatever shares the batch.
         stop: strings that end the request; the stop string itself is not returned (at most
             ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS`` characters).
         stop_token_ids: token ids that end the request (the token is kept in output_ids; at most
@@ -113,7 +113,7 @@ class SamplingParams:
         _float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
-            _int("seed", self.seed, low=0, high=2**63 - 1)
+            _int("seed", self.seed, low=-2**63, high=2**63 - 1)  # any int64, as vLLM and OpenAI take
         _strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
         _strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
         if not isinstance(self.stop_token_ids, list):

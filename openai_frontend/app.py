@@ -107,7 +107,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
             message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
         return JSONResponse(OpenAIError(400, message, "invalid_request", param).body(), status_code=400)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: health checkers that send no body
     async def health():
         if await triton.ready():
             return {"status": "ok"}

@@ -93,6 +93,10 @@ def test_seeded_sampling_is_reproducible_alone_and_with_batch_mates(engine):
     different = tokens(run_to_completion(engine, {"t": engine.add_request([4, 5, 6], other_seed,
                                                                           request_id="t")})["t"])
     assert different != alone
+    negative = SamplingParams(max_tokens=16, temperature=1.0, seed=-1234, ignore_eos=True)
+    runs = [tokens(run_to_completion(engine, {"n": engine.add_request([4, 5, 6], negative, request_id="n")})["n"])
+            for _ in range(2)]
+    assert runs[0] == runs[1] != alone
 
 
 def test_abort_frees_blocks_and_ends_with_one_final(make_engine, tiny_model_dir):
@@ -163,7 +167,7 @@ def test_bad_request_fails_alone_with_clear_error(make_engine, tiny_model_dir, p
     ("presence_penalty", 3.0, "presence_penalty"),
     ("logprobs", 50, "logprobs"),
     ("stop", [""], "stop must be"),
-    ("seed", -1, "seed"),
+    ("seed", 2**63, "seed"),
     ("ignore_eos", "yes", "ignore_eos must be true or false"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value, message):

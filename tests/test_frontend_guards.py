@@ -52,6 +52,7 @@ def test_right_key_passes_and_health_and_metrics_paths_stay_open(frontend):
     # Past the key, /v1/models asks Triton, which is not there: 503 from the route, not 401.
     assert requests.get(f"{frontend}/v1/models", headers=AUTH, timeout=30).status_code == 503
     assert requests.get(f"{frontend}/health", timeout=30).status_code == 503  # open: Triton is down
+    assert requests.head(f"{frontend}/health", timeout=30).status_code == 503  # health checkers that use HEAD
     assert requests.get(f"{frontend}/metrics", timeout=10).status_code != 401
 
 
