@@ -224,11 +224,16 @@ def _bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be true or false, got {_short(value)}")
 
 
+def _bound(value: float) -> str:
+    """A range's end as written: integers whole (2**63 - 1, not 9.22337e+18), other numbers short."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 def _range(name: str, value: float, low: float | None, high: float | None, low_open: bool) -> None:
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and value > high
     if too_low or too_high:
         left = "(" if low_open else "["
-        lo = "-inf" if low is None else f"{low:g}"
-        hi = "inf" if high is None else f"{high:g}"
+        lo = "-inf" if low is None else _bound(low)
+        hi = "inf" if high is None else _bound(high)
         raise ValueError(f"{name} must be in {left}{lo}, {hi}{']' if high is not None else ')'}, got {value!r}")
