@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--triton-metrics-url",
                         default=os.environ.get("TRITON_METRICS_URL", "http://localhost:8002/metrics"),
                         help="Triton's metrics page, whose vllm: gauges /metrics repeats ('' for none)")
+    parser.add_argument("--open-render", action="store_true",
+                        help="the render endpoints (token ids only, nothing generated) answer without the API key, "
+                             "for a caller that cannot send one (the gateway's endpoint picker)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     try:
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
                             args.chat_template.read_text() if args.chat_template else None, api_key, limits,
-                            args.triton_metrics_url or None)
+                            args.triton_metrics_url or None, args.open_render)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 http=SlicedHttpToolsProtocol)
 

@@ -49,7 +49,8 @@ class FrontendConfig:
     found (config.pbtxt's ``model`` parameter, overridden by ``<version>/engine.json``). tokenizer: one
     tokenizer (directory or .gguf) for every model instead. chat_template: a Jinja template (text) used
     instead of the tokenizer's. api_key: required as ``Authorization: Bearer`` when set
-    (``openai_frontend.auth``). limits: request bounds (``openai_frontend.limits``)."""
+    (``openai_frontend.auth``). limits: request bounds (``openai_frontend.limits``). open_render: the render
+    endpoints need no key (``openai_frontend.auth.RENDER_PATHS``)."""
 
     triton_url: str = "localhost:8001"
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
@@ -58,6 +59,7 @@ class FrontendConfig:
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     triton_metrics_url: str | None = "http://localhost:8002/metrics"  # re-exposed on /metrics (metrics.py)
+    open_render: bool = False
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
@@ -77,7 +79,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     metrics.install(app, triton, config.triton_metrics_url)  # GET /metrics, vLLM names
     app.add_middleware(LoneSurrogateMiddleware)  # inside the body limit: no body over it is read
     install_limits(app, config.limits)
-    protect(app, config.api_key)  # added last: the outermost, so an unauthenticated body is never read
+    protect(app, config.api_key, config.open_render)  # added last: the outermost, so an unauthenticated body is never read
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):

@@ -18,6 +18,10 @@ from pathlib import Path
 from openai_frontend.errors import OpenAIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# vLLM's render endpoints: token ids only, nothing generated. ``--open-render`` leaves them open for a caller that
+# cannot send a key (the Inference Extension's endpoint picker tokenizes through them; its token producer has no
+# setting for one).
+RENDER_PATHS = frozenset({"/v1/completions/render", "/v1/chat/completions/render"})
 KEY_ENV, KEY_FILE_ENV = "LLM_API_KEY", "LLM_API_KEY_FILE"
 
 
@@ -55,12 +59,13 @@ class APIKeyMiddleware:
         key: the expected key (compared as UTF-8 bytes in constant time).
     """
 
-    def __init__(self, app, key: str) -> None:
+    def __init__(self, app, key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         if hmac.compare_digest(sent, self.expected):
@@ -81,8 +86,8 @@ async def send_error(send, error: OpenAIError, extra_headers: list[tuple[bytes, 
     await send({"type": "http.response.body", "body": body})
 
 
-def protect(app, key: str | None) -> None:
+def protect(app, key: str | None, open_render: bool = False) -> None:
     """Puts ``app`` behind :class:`APIKeyMiddleware` when ``key`` is set (the outermost middleware when
-    called last)."""
+    called last); ``open_render``: :data:`RENDER_PATHS` need no key either."""
     if key:
-        app.add_middleware(APIKeyMiddleware, key=key)
+        app.add_middleware(APIKeyMiddleware, key=key, open_paths=OPEN_PATHS | (RENDER_PATHS if open_render else set()))

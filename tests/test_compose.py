@@ -115,7 +115,8 @@ def test_triton_ports_command_and_gpu(compose):
     assert command[:3] == ["python3", "-m", "serve"]
     assert [int(flag(command, f"--{p}-port")) for p in ("http", "grpc", "metrics")] == [HTTP_PORT, GRPC_PORT,
                                                                                        METRICS_PORT]
-    assert set(triton["ports"]) == {f"{p}:{p}" for p in (HTTP_PORT, GRPC_PORT, METRICS_PORT)}
+    # Triton's inference APIs take no key: published on the host's loopback only.
+    assert set(triton["ports"]) == {f"127.0.0.1:{p}:{p}" for p in (HTTP_PORT, GRPC_PORT, METRICS_PORT)}
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
 
@@ -157,6 +158,8 @@ def test_cpu_variant_drops_the_gpu(cpu_compose):
     assert set(bind_mounts(triton)) == {"/models"}, "the model repository's own settings: device cpu"
     assert triton["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
     assert triton["build"]["dockerfile"] == "docker/Dockerfile" and triton["ports"]
+    assert cpu_compose["services"]["openai"]["image"] == triton["image"] == "triton-llm:cpu", \
+        "the frontend runs the image this variant builds, not one pulled or left from a GPU build"
 
 
 def test_locust_runs_the_loadtest_against_triton(compose):
@@ -252,5 +255,6 @@ def test_openai_frontend_service_talks_to_tritons_grpc_port(compose):
     assert openai["ports"] == [f"{flag(command, '--port')}:9000"] and flag(command, "--port") == "9000"
     assert bind_mounts(openai)[flag(command, "--model-repository")] == (REPO_ROOT / "model_repository", True)
     assert openai["image"] == compose["services"]["triton"]["image"]
+    assert openai["environment"]["LLM_API_KEY"] == "${LLM_API_KEY:-}", "the API key comes from the environment"
     assert openai["depends_on"]["triton"]["condition"] == "service_healthy"
     assert flag(compose["services"]["triton"]["command"], "--openai-port") == "0"

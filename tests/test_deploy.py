@@ -190,6 +190,12 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
     service = one(docs, "Service", "triton-llm")
     assert plugins["token-producer"]["parameters"]["vllm"]["url"] == f"http://triton-llm:{port(openai, 'openai')}"
     assert plugins["token-producer"]["parameters"]["modelName"] == "llm"  # the name the OpenAI API serves
+    # The token producer sends no API key (its release has no field for one): the render routes are open there,
+    # and only there.
+    assert "--open-render" in openai["args"] and set(PICKER_RELEASE["parameters"]["token-producer"]["vllm"]) == {
+        "url", "timeout", "mmTimeout"}
+    for overlay in ("base", "overlays/cpu"):
+        assert "--open-render" not in container(one(render(overlay), "Deployment", "triton-llm"), "openai")["args"]
     assert port(openai, "openai") in [p["port"] for p in service["spec"]["ports"]]
 
 

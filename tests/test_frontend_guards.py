@@ -195,6 +195,17 @@ def test_assistant_turns_without_content_render_and_strict_tools_pass_where_enfo
         assert response.status_code == 503, response.text  # past the checks: on to Triton (down)
 
 
+def test_open_render_leaves_only_the_render_routes_open():
+    config = FrontendConfig(triton_url=f"127.0.0.1:{free_port()}", api_key=KEY, open_render=True)
+    body = {"model": "llm", "prompt": "hi", "max_tokens": 1}
+    with serve_app(create_app(config)) as url:
+        assert requests.post(f"{url}/v1/completions/render", json=body, timeout=30).status_code == 503  # past it
+        chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}]}
+        assert requests.post(f"{url}/v1/chat/completions/render", json=chat, timeout=30).status_code == 503
+        assert requests.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 401
+        assert requests.post(f"{url}/tokenize", json=body, timeout=30).status_code == 401
+
+
 def test_api_key_sources(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
