@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 
@@ -139,6 +140,8 @@ class EngineConfig:
             from backend.cpu_threads import parse_cpu_list
 
             parse_cpu_list(self.cpu_threads_bind)
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.model_impl not in ("auto", "transformers"):
             raise ValueError(f"model_impl must be auto or transformers, got {self.model_impl!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

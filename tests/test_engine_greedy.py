@@ -199,6 +199,9 @@ def test_selector_logs_its_choice_once_and_the_setting_overrides_it(caplog, make
         select_attention_backend("triton", torch.device("cpu"), torch.float32, 24)
     with pytest.raises(ValueError, match="attention_backend must be auto, torch, cpu or triton"):
         EngineConfig(attention_backend="flash")
+    for device in ("tpu", "cpu:0", "cuda:x"):  # refused when read, not at the first forward pass
+        with pytest.raises(ValueError, match="device must be cpu or cuda"):
+            EngineConfig(device=device)
 
 
 def test_cpu_prefill_kernel_through_chunked_prefill_and_prefix_hits_matches_solo_generate(
