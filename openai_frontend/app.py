@@ -109,11 +109,13 @@ def create_app(config: FrontendConfig) -> FastAPI:
             message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
         return JSONResponse(OpenAIError(400, message, "invalid_request", param).body(), status_code=400)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: health checkers that send no body
+    @app.get("/health")
     async def health():
         if await triton.ready():
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # health checkers using HEAD
 
     @app.get("/v1/models")
     async def models():

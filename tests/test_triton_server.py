@@ -124,7 +124,7 @@ BAD_REQUESTS = [
     ({"text_input": "hi", "top_k": 0}, "top_k"),
     ({"text_input": "hi", "max_tokens": 0}, "max_tokens"),
     ({"text_input": "hi", "stop": [""]}, "stop must be"),
-    ({"text_input": "hi", "sampling_parameters": '{"seed": -4}'}, "seed"),
+    ({"text_input": "hi", "sampling_parameters": '{"seed": 9223372036854775808}'}, "seed"),
     ({"text_input": "hi", "sampling_parameters": "{not json"}, "sampling_parameters is not valid JSON"),
     ({"text_input": "hi", "sampling_parameters": '{"tempreature": 1}'}, "unknown sampling parameter"),
     ({"text_input": "hi", "parameters": {"top_k": 0}}, "top_k"),
