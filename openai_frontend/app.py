@@ -175,7 +175,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
                      prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
                      prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage,
                      end_token_ids=frozenset(tokenizer.all_special_ids) if body.skip_special_tokens is not False
-                     else frozenset(), token_bytes=TokenBytes(tokenizer, body.skip_special_tokens is not False))
+                     else frozenset(),
+                     token_bytes=TokenBytes(tokenizer, body.skip_special_tokens is not False) if body.logprobs else None)
         events = _merged(triton, name, version, [prompt], sampling, request_id)
         return await _respond(view, events, body.stream, body.include_usage, request)
 
@@ -294,7 +295,6 @@ class _Choice:
 
     completion: Completion
     echoed: str = ""  # the prompt, with echo: before the completion's text
-    chars_sent: int = 0  # characters of the answer so far
     logprobs: list = field(default_factory=list)  # (token id, logprob, top) entries, echoed prompt tokens first
     text_offsets: TextOffsets | None = None  # logprobs' text_offset, from the tokens' bytes
     offsets: list = field(default_factory=list)  # the text_offset of each entry of ``logprobs``
@@ -355,7 +355,6 @@ class _View:
             if self.top_n is not None:
                 entries = self._prompt_entries(prompt_index) + entries
         choice.started = True
-        choice.chars_sent += len(text)
         self.num_input_tokens[prompt_index] = delta.num_input_tokens
         self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
         new_logprobs = None
