@@ -33,9 +33,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 def parameters(function: dict) -> dict:
-    """A function's arguments schema: its ``parameters``, or none (:data:`NO_PARAMETERS`) where omitted."""
+    """A function's arguments schema: its ``parameters``, or none (:data:`NO_PARAMETERS`) where omitted or ``{}``
+    (arguments are always an object)."""
     given = function.get("parameters")
-    return NO_PARAMETERS if given is None else given
+    return NO_PARAMETERS if given is None or given == {} else given
 
 
 def unenforced_strict(tools: list[dict], tool_choice) -> int | None:

@@ -62,6 +62,9 @@ def test_a_function_without_parameters_takes_none():
     import jsonschema
 
     ping = {"type": "function", "function": {"name": "ping"}}
+    empty = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+    assert ToolChoice.from_request([empty], "required").structured_outputs() == \
+        ToolChoice.from_request([ping], "required").structured_outputs()
     named = json.loads(ToolChoice.from_request([ping], {"type": "function", "function": {"name": "ping"}})
                        .structured_outputs()["json"])
     required = json.loads(ToolChoice.from_request([ping], "required").structured_outputs()["json"])
