@@ -207,7 +207,12 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> "EngineConfig":
-        """Builds a config from strings or typed values (e.g. Triton config parameters).
+        """Builds a config from strings or typed values (e.g. Triton config parameters, ``engine.json``).
+
+        A string that is empty (or only spaces) means the setting's default, as if the key were absent;
+        ``none`` / ``null`` / ``auto`` mean None for settings that take None. Typed values (JSON) must have
+        the setting's type: a bool for yes/no settings, an integer for counts (a number for seconds and
+        milliseconds), a string for words.
 
         Raises:
             ValueError: an unknown key or a value of the wrong type.
@@ -217,6 +222,8 @@ class EngineConfig:
         for key, raw in values.items():
             if key not in fields:
                 raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(fields))}")
+            if isinstance(raw, str) and not raw.strip():
+                continue  # the default
             kwargs[key] = _parse(key, raw, fields[key].type)
         return cls(**kwargs)
 
@@ -235,24 +242,32 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def _parse(key: str, raw: object, annotation: str) -> object:
+    kind, optional = annotation.split(" ")[0], annotation.endswith("| None")
     if not isinstance(raw, str):
+        if raw is None and optional:
+            return None
+        expected = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}[kind]
+        if not isinstance(raw, expected) or (kind != "bool" and isinstance(raw, bool)):
+            raise ValueError(f"engine setting {key} must be {kind}{' or null' if optional else ''}, got {raw!r}")
         return raw
     text = raw.strip()
-    if annotation == "str":  # a setting that is never None keeps its words ("auto" included)
+    if kind == "str" and not optional:  # a setting that is never None keeps its words ("auto" included)
         return text
-    if text == "" or text.lower() in ("none", "null", "auto"):
+    if text.lower() in ("none", "null", "auto"):
+        if not optional:
+            raise ValueError(f"engine setting {key} must be {kind}, got {raw!r}")
         return None
     try:
-        if annotation.startswith("int"):
+        if kind == "int":
             return int(text)
-        if annotation.startswith("float"):
+        if kind == "float":
             return float(text)
-        if annotation.startswith("bool"):
+        if kind == "bool":
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return text.lower() in ("true", "1")
     except ValueError:
-        raise ValueError(f"engine setting {key} must be {annotation.split(' ')[0]}, got {raw!r}") from None
+        raise ValueError(f"engine setting {key} must be {kind}, got {raw!r}") from None
     return text
 
 

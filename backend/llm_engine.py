@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,6 +31,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from backend import host_memory
 from backend.attention import select_attention_backend
 from backend.bad_words import bad_words_token_ids
 from backend.block_pool import ALL_BLOCKS_CLEARED
@@ -53,7 +53,7 @@ from backend.structured_output import Grammar, GrammarCompiler, SchemaLimits
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
-CPU_KV_FRACTION = 0.2  # of available memory, when the KV cache size is not given
+CPU_KV_FRACTION = 0.2  # of available memory (backend.host_memory), when the KV cache size is not given
 CPU_KV_CAP_BYTES = 4 << 30
 GPU_KV_FRACTION = 0.8  # of free device memory after loading the model
 MAX_CACHE_SALT_CHARS = 256
@@ -441,8 +441,7 @@ class LLMEngine:
             if model.device.type == "cuda":
                 budget = int(torch.cuda.mem_get_info(model.device)[0] * GPU_KV_FRACTION)
             else:
-                available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                budget = min(int(available * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
+                budget = min(int(host_memory.available_bytes() * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes each)")

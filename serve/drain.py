@@ -38,8 +38,10 @@ def pop_grace(settings: dict) -> float:
         ValueError: not a number >= 0.
     """
     raw = settings.pop(GRACE_SETTING, "")
-    if raw in ("", None):
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
         return DEFAULT_GRACE_S
+    if isinstance(raw, bool):
+        raise ValueError(f"{GRACE_SETTING} must be a number of seconds, got {raw!r}")
     try:
         grace = float(raw)
     except (TypeError, ValueError):

@@ -25,7 +25,7 @@ METRIC_SETTINGS = ("vllm_metrics",)  # model settings (config.pbtxt parameters) 
 
 def pop_metric_settings(settings: dict) -> dict:
     """Removes this module's settings from a model's settings and returns them as ``EngineMetrics`` keyword
-    arguments: ``vllm_metrics`` (``true``/``false``, default true).
+    arguments: ``vllm_metrics`` (``true``/``false``, default true; an empty string means the default).
 
     Raises:
         ValueError: a value that is not a boolean.
@@ -37,8 +37,10 @@ def pop_metric_settings(settings: dict) -> dict:
             text = str(raw).strip().lower()
             if isinstance(raw, bool):
                 options[key] = raw
-            elif text in ("true", "1", "false", "0", ""):
+            elif isinstance(raw, str) and text in ("true", "1", "false", "0"):
                 options[key] = text in ("true", "1")
+            elif isinstance(raw, str) and text == "":
+                continue  # the default
             else:
                 raise ValueError(f"setting {key} must be true or false, got {raw!r}")
     return options

@@ -279,3 +279,28 @@ def test_a_whole_run_under_a_tiny_pool_ends_with_every_block_free():
         sim.add_prompt(f"r{k}", [5, 6, 7, 8, k + 1], max_tokens=6)
     sim.run()
     assert sim.scheduler.num_preemptions > 0 and sim.kv.usage().used_blocks == 0
+
+
+def test_kv_pool_is_sized_from_available_memory_capped_by_the_containers_limit(tmp_path):
+    from backend.host_memory import available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25000000 kB\nMemFree:        11000000 kB\nMemAvailable:   16000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_bytes(str(meminfo), str(cgroup)) == 16000000 * 1024  # no cgroup files: the host's
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert available_bytes(str(meminfo), str(cgroup)) == 16000000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{8 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{3 << 30}\n")
+    assert available_bytes(str(meminfo), str(cgroup)) == 5 << 30  # the pod's limit less its usage
+    (cgroup / "memory.current").write_text(f"{9 << 30}\n")
+    assert available_bytes(str(meminfo), str(cgroup)) == 0
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    assert available_bytes(str(meminfo), str(v1)) == 16000000 * 1024
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    assert available_bytes(str(meminfo), str(v1)) == 3 << 30

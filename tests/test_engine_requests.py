@@ -379,6 +379,33 @@ def test_stream_interval_must_be_positive():
         EngineConfig(stream_interval=0)
 
 
+def test_empty_settings_mean_the_defaults_and_typed_values_must_have_the_settings_type():
+    import dataclasses
+
+    from serve.drain import DEFAULT_GRACE_S, pop_grace
+    from serve.metrics import pop_metric_settings
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert EngineConfig.from_dict({name: "" for name in names}) == EngineConfig()
+    assert EngineConfig.from_dict({name: "  " for name in names}) == EngineConfig()
+    settings = {"vllm_metrics": "", "drain_grace_s": ""}
+    assert pop_metric_settings(settings) == {} and pop_grace(settings) == DEFAULT_GRACE_S and settings == {}
+    assert EngineConfig.from_dict({"num_blocks": "auto", "max_model_len": None, "model": "none"}) == EngineConfig()
+    assert EngineConfig.from_dict({"max_step_ms": 5, "enable_prefix_caching": False}).max_step_ms == 5
+    for setting, kind in [({"enable_prefix_caching": 5}, "bool"), ({"enable_prefix_caching": "none"}, "bool"),
+                          ({"model": 5}, "str or null"), ({"kv_events_topic": 7}, "str"),
+                          ({"block_size": True}, "int"), ({"block_size": 16.0}, "int"),
+                          ({"max_step_ms": "auto"}, "float"), ({"max_step_ms": "1ms"}, "float")]:
+        (key,) = setting
+        with pytest.raises(ValueError, match=f"engine setting {key} must be {kind}, got"):
+            EngineConfig.from_dict(setting)
+    for raw in ("yes", "on", 3):
+        with pytest.raises(ValueError, match="vllm_metrics must be true or false"):
+            pop_metric_settings({"vllm_metrics": raw})
+    with pytest.raises(ValueError, match="drain_grace_s must be a number of seconds"):
+        pop_grace({"drain_grace_s": True})
+
+
 def _greedy(engine, prompt, request_id, **params):
     sink = engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, **params),
                               request_id=request_id)

@@ -1,0 +1,46 @@
+"""How much memory this process can still take on the CPU: what the KV cache is sized from when no size is given.
+
+``MemAvailable`` of ``/proc/meminfo`` is Linux's estimate of memory that new allocations can get without swapping
+(free memory plus page cache and reclaimable slabs that can be dropped); free memory alone leaves out the page
+cache, which a machine that has read model weights is full of. In a container, ``/proc/meminfo`` still describes
+the whole host, so the cgroup's own limit less its usage (cgroup v2 ``memory.max`` / ``memory.current``, or v1
+``memory.limit_in_bytes`` / ``memory.usage_in_bytes``) caps it: a pod is killed at its limit, not at the host's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CGROUP_FILES = (("memory.max", "memory.current"),  # cgroup v2
+                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))  # cgroup v1
+
+
+def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes of memory this process can still allocate: the host's ``MemAvailable`` (free pages where Linux
+    does not report it), capped by the cgroup's limit less its usage where the process has a limit."""
+    available = _meminfo_available(meminfo)
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in CGROUP_FILES:
+        limit, usage = _read_int(Path(cgroup) / limit_file), _read_int(Path(cgroup) / usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes "no limit" as ~2^63
+            return max(0, min(available, limit - usage))
+    return available
+
+
+def _meminfo_available(path: str) -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())  # "max" (cgroup v2: no limit) is not an int
+    except (OSError, ValueError):
+        return None
