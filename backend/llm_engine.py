@@ -425,14 +425,23 @@ class LLMEngine:
                 raise ValueError("prompt is empty")
             return encode_prompt(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            vocab = self.model_config.vocab_size
-            for token_id in prompt:
-                if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
-                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {token_id!r}")
-            return list(prompt)
+            return self.check_prompt_token_ids(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_prompt_token_ids(self, prompt: list[int] | tuple[int, ...]) -> list[int]:
+        """``prompt`` as a list, checked as ``add_request`` checks a prompt of token ids (before anything, such
+        as echoing the prompt's text, decodes them).
+
+        Raises:
+            ValueError: empty, or an id that is not an integer in ``[0, vocab_size)``.
+        """
+        if not prompt:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for token_id in prompt:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {token_id!r}")
+        return list(prompt)
 
     def _blocks_from_memory(self, model) -> int:
         per_block = kv_bytes_per_block(model.config, self.config.block_size, next(model.parameters()).dtype)

@@ -205,7 +205,12 @@ def _json_output(event: dict, name: str):
 
 
 def _http_error(response: requests.Response) -> str:
+    """The error message of a failed ``generate`` (a JSON body) or ``generate_stream`` (Triton sends the error
+    as one server-sent event, ``data: {"error": ...}``)."""
+    text = response.text.strip()
+    if text.startswith("data:"):
+        text = text[5:].strip()
     try:
-        return response.json().get("error", response.text)
-    except ValueError:
+        return json.loads(text).get("error", response.text)
+    except (ValueError, AttributeError):
         return f"HTTP {response.status_code}: {response.text}"

@@ -11,16 +11,36 @@ are refused by Triton itself. In the default model-control mode that call is ref
 READY, and its requests are refused fast with UNAVAILABLE (``engine is dead``) by the engine. The call goes
 from the stub to tritonserver in-process (the backend's message queue), not through HTTP or gRPC, so the
 launcher's restriction of the repository API to its admin key (``serve.control``) does not stop it.
+
+Before unloading, the model leaves a file named after it in the directory ``LLM_ENGINE_DEATHS_DIR`` names (the
+launcher sets it): to the launcher's watch (``serve.stub_watch``) an unload is the same whoever asked for it, and
+only an engine's death is to be loaded again, not an operator's unload through the repository API.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 
 from backend import EngineDeadError, LLMEngine
+from serve.stub_watch import DEATHS_DIR_ENV
 
 log = logging.getLogger("llm")
+
+
+def record_death(model_name: str, reason: str) -> None:
+    """Leaves ``$LLM_ENGINE_DEATHS_DIR/<model_name>`` (holding ``reason``) for the launcher's watch; nothing
+    without the variable (tritonserver run without the launcher)."""
+    deaths_dir = os.environ.get(DEATHS_DIR_ENV)
+    if not deaths_dir:
+        return
+    try:
+        (Path(deaths_dir) / model_name).write_text(reason + "\n", encoding="utf-8")
+    except OSError as exc:
+        log.error("could not record the engine's death for the launcher (%s): it will take the unload for an "
+                  "operator's and not load model %r again", exc, model_name)
 
 
 class HealthMonitor:
@@ -47,6 +67,7 @@ class HealthMonitor:
                     return False
                 self.dead_reason = str(exc)
             log.error("%s: unloading model %r so that it reports not ready", exc, self.model_name)
+            record_death(self.model_name, self.dead_reason)
             threading.Thread(target=self._unload, name="llm-unload", daemon=True).start()
             return False
 

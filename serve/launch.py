@@ -35,6 +35,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ import requests
 
 from serve import control
 from serve.control import admin_headers, restriction_args
-from serve.stub_watch import StubWatch
+from serve.stub_watch import DEATHS_DIR_ENV, StubWatch
 from serve.supervise import DEFAULT_MAX_RESTARTS, Child, RestartBudget, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     # Each child gets only the secret it uses: tritonserver (and the model code it runs) not the API key, the
     # frontend (which needs only inference, health and metadata) not the admin key.
     server_env = _without(command.env, "LLM_API_KEY", "LLM_API_KEY_FILE", control.KEY_ENV, control.KEY_FILE_ENV)
+    deaths_dir = tempfile.mkdtemp(prefix="llm-engine-deaths-")  # serve.health records an engine's death there
+    server_env[DEATHS_DIR_ENV] = deaths_dir
     argvs, envs = [command.argv], [server_env]
     if args.openai_port > 0:
         argvs.append([sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
@@ -171,10 +174,15 @@ def main(argv: list[str] | None = None) -> None:
     headers = admin_headers(key)
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    sys.exit(run_together(argvs, envs,
-                          drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short, headers),
-                          watch=lambda server_pid, budget: StubWatch(url, server_pid, headers, budget).check,
-                          restart=tuple(range(1, len(argvs))), max_restarts=args.max_restarts))
+    try:
+        status = run_together(argvs, envs,
+                              drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short, headers),
+                              watch=lambda server_pid, budget: StubWatch(url, server_pid, headers, budget,
+                                                                         deaths_dir).check,
+                              restart=tuple(range(1, len(argvs))), max_restarts=args.max_restarts)
+    finally:
+        shutil.rmtree(deaths_dir, ignore_errors=True)
+    sys.exit(status)
 
 
 def _connect_host(host: str) -> str:

@@ -114,7 +114,7 @@ class EngineMetrics:
         self.blocks_free = gauge("llm_kv_cache_blocks_free", "KV cache blocks free")
         self.blocks_total = gauge("llm_kv_cache_blocks_total", "KV cache blocks in the pool")
         self.usage = gauge("llm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)")
-        self.prompt_tokens = counter("llm_prompt_tokens_total", "Prompt tokens prefilled")
+        self.prompt_tokens = counter("llm_prompt_tokens_total", "Prompt tokens, prefix-cache hits included")
         self.generation_tokens = counter("llm_generation_tokens_total", "Output tokens generated")
         self.rejected = counter("llm_request_rejected_total",
                                 "Requests refused with UNAVAILABLE because the waiting queue was full")

@@ -63,6 +63,8 @@ class ParsedRequest:
     Attributes:
         returns: the vLLM backend's ``return_*`` inputs that were true (``return_cumulative_logprob`` also
             turns on the sampled tokens' logprobs, ``logprobs`` 0, when none were asked for).
+        logprobs_asked: the client asked for logprobs (``logprobs`` or an alias), as opposed to the engine
+            computing them only for ``return_cumulative_logprob``: only then are the logprobs outputs sent.
         priority: lower is scheduled first (vLLM's priority policy); 0 when not given.
         timeout_ms: the request's deadline, in milliseconds from its arrival; None for none.
     """
@@ -76,6 +78,7 @@ class ParsedRequest:
     returns: frozenset[str] = frozenset()  # the RETURN_INPUTS set true
     cache_salt: str | None = None  # vLLM's: prefix-cache sharing only among requests with the same salt
     fairness_key: str | None = None  # requests with the same key take one turn together in admission
+    logprobs_asked: bool = False
 
 
 def check_request_id(request_id: str) -> str:
@@ -158,9 +161,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     if timeout_ms is None and triton_timeout_us > 0:
         timeout_ms = max(1, triton_timeout_us // 1000)
     _apply_structured_outputs(values, inputs)
-    if "return_cumulative_logprob" in returns and values.get("logprobs") is None:
-        values["logprobs"] = 0
     aliases = _apply_trtllm_inputs(values)
+    logprobs_asked = values.get("logprobs") is not None
+    if "return_cumulative_logprob" in returns and not logprobs_asked:
+        values["logprobs"] = 0
     try:
         params = SamplingParams.from_dict(values)
     except ValueError as exc:
@@ -173,7 +177,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
                 message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None
-    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt, fairness_key)
+    return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt, fairness_key,
+                         logprobs_asked)
 
 
 def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:

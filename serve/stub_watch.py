@@ -10,11 +10,15 @@ and the repository index; a version that is READY with no live stub on two check
 the check asks the launcher to restart tritonserver (``serve.supervise``), the one thing that ends those
 streams.
 
-**A dead engine.** A model whose engine died unloads itself (``serve.health``). A model that the watch has
-seen loaded (READY, LOADING or UNLOADING: an engine can die, and its model start unloading, within a second
-of turning READY, before any check saw it READY) and that is no longer loaded, without the launcher having
-asked, is loaded again (on a thread of its own); if the load fails, the model cannot recover in this process and the check asks the launcher to give up (drain, exit 1,
-so that an orchestrator restarts the container). Each reload spends the launcher's restart budget.
+**A dead engine.** A model whose engine died unloads itself (``serve.health``), after leaving a file named
+after it in the watch's ``deaths_dir`` (``LLM_ENGINE_DEATHS_DIR`` in tritonserver's environment). A model that
+the watch has seen loaded (READY, LOADING or UNLOADING: an engine can die, and its model start unloading, within
+a second of turning READY, before any check saw it READY) and that is no longer loaded, without the launcher
+having asked, is loaded again (on a thread of its own) when that file is there; if the load fails, the model
+cannot recover in this process and the check asks the launcher to give up (drain, exit 1, so that an orchestrator
+restarts the container). Each reload spends the launcher's restart budget. Without the file the model was
+unloaded through the repository API (an operator with the admin key): it stays unloaded, spends nothing, and is
+watched again once it is loaded.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from serve.supervise import GIVE_UP, RESTART_SERVER, RestartBudget
 STUB_NAME = "triton_python_backend_stub"
 LOADED_STATES = ("READY", "LOADING", "UNLOADING")
 LOAD_TIMEOUT_S = 600.0
+DEATHS_DIR_ENV = "LLM_ENGINE_DEATHS_DIR"  # tritonserver's environment: where a model records its engine's death
 
 
 def stub_versions(server_pid: int) -> set[tuple[str, str]]:
@@ -61,8 +66,9 @@ class StubWatch:
     not be loaded again, or the restart budget is spent)."""
 
     def __init__(self, http_url: str, server_pid: int, headers: dict[str, str] | None = None,
-                 budget: RestartBudget | None = None) -> None:
+                 budget: RestartBudget | None = None, deaths_dir: str | None = None) -> None:
         self.http_url = http_url
+        self.deaths_dir = deaths_dir  # where models record an engine's death (serve.health); None: every unload is one
         self.headers = headers or {}  # the admin key (serve.control): the repository API is restricted
         self.server_pid = server_pid
         self.budget = budget or RestartBudget()
@@ -92,6 +98,11 @@ class StubWatch:
         loaded = {m["name"] for m in index if m.get("state") in LOADED_STATES}
         self._served |= loaded
         for model in sorted(self._served - loaded - self._reloading):
+            if not self._engine_died(model):
+                log(f"model {model!r} was unloaded through the repository API: not loading it again "
+                    f"(POST /v2/repository/models/{model}/load with the admin key loads it)")
+                self._served.discard(model)
+                continue
             if not self.budget.take():
                 log(f"model {model!r} unloaded itself (its engine died) and the restart budget "
                     f"({self.budget.limit} in {self.budget.window_s:.0f} s) is spent")
@@ -100,6 +111,17 @@ class StubWatch:
             self._reloading.add(model)
             threading.Thread(target=self._reload, args=(model,), daemon=True).start()
         return None
+
+    def _engine_died(self, model: str) -> bool:
+        """Whether ``model`` recorded its engine's death (the record is taken)."""
+        if self.deaths_dir is None:
+            return True
+        record = Path(self.deaths_dir) / model
+        try:
+            record.unlink()
+            return True
+        except FileNotFoundError:
+            return False
 
     def _reload(self, model: str) -> None:
         try:

@@ -165,15 +165,27 @@ def test_killed_stub_ends_every_stream_with_an_error_and_the_server_serves_again
 @pytest.mark.server
 @pytest.mark.slow  # launchers of their own, killed and restarted: minutes
 def test_an_engine_that_cannot_recover_makes_the_launcher_drain_and_exit_1(tmp_path, default_model_dir):
-    """An engine that dies (every forward pass fails: ``LLM_FAULT_INJECTION_FILE``) unloads its model; the
-    launcher loads it again (budget 1), and when the new engine dies too, drains and exits 1 (the container's
-    liveness: the process is gone), its children with it."""
+    """An operator's unload through the repository API is left alone and spends nothing. An engine that dies
+    (every forward pass fails: ``LLM_FAULT_INJECTION_FILE``) unloads its model; the launcher loads it again
+    (budget 1), and when the new engine dies too, drains and exits 1 (the container's liveness: the process is
+    gone), its children with it."""
     fault = tmp_path / "fault"
     server = start_launcher(tmp_path / "serve.log", single_version_repository(tmp_path / "models", SETTINGS),
-                            launcher_args=["--max-restarts=1"], env={"LLM_FAULT_INJECTION_FILE": str(fault)})
+                            launcher_args=["--max-restarts=1"],
+                            env={"LLM_FAULT_INJECTION_FILE": str(fault), "TRITON_ADMIN_KEY": "operator-key"})
     client = LLMClient(server.grpc_url, server.http_url)
     children = psutil.Process(server.process.pid).children(recursive=True)
+    admin = {"triton-admin-key": "operator-key"}
     try:
+        unload = requests.post(f"{server.http_url}/v2/repository/models/llm/unload", headers=admin, timeout=60)
+        assert unload.status_code == 200, unload.text
+        time.sleep(4)  # four looks of the watch
+        assert requests.get(f"{server.http_url}/v2/models/llm/ready", timeout=5).status_code != 200
+        assert server.process.poll() is None
+        assert "model 'llm' was unloaded through the repository API: not loading it again" in server.log()
+        load = requests.post(f"{server.http_url}/v2/repository/models/llm/load", headers=admin, timeout=300)
+        assert load.status_code == 200, load.text
+        serving_again_on_triton(client, server, time.monotonic())
         fault.touch()
         kill_engine(client)
         died = time.monotonic()
@@ -191,6 +203,7 @@ def test_an_engine_that_cannot_recover_makes_the_launcher_drain_and_exit_1(tmp_p
           f"{exited:.1f} s")
     log = server.log()
     assert "loaded model 'llm' again" in log and "restart budget (1 in 600 s) is spent" in log
+    assert log.count("unloaded itself (its engine died)") == 2
     assert status == 1 and exited < 30
     assert not [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
@@ -296,6 +309,34 @@ def test_a_model_that_unloads_itself_is_loaded_again_even_if_never_seen_ready(fi
             time.sleep(0.05)
         assert triton.loads == ["/v2/repository/models/llm/load"] and watch.reloads == ["llm"]
         assert watch.check() is None and len(triton.loads) == 1
+    finally:
+        triton.server.shutdown()
+
+
+def test_only_a_model_that_recorded_its_engines_death_is_loaded_again(tmp_path, monkeypatch):
+    """Two models seen loaded, then gone: the one whose engine recorded its death (``serve.health``, in the
+    directory the launcher names) is loaded again and its record taken; the other was an operator's unload."""
+    from serve.health import record_death
+    from serve.stub_watch import DEATHS_DIR_ENV, StubWatch
+
+    monkeypatch.setenv(DEATHS_DIR_ENV, str(tmp_path))
+    triton = RepositoryStandIn(["READY", "UNAVAILABLE"])
+    try:
+        watch = StubWatch(triton.url, server_pid=psutil.Process().pid, deaths_dir=str(tmp_path))
+        assert watch.check() is None
+        assert watch.check() is None  # gone without a record: left alone
+        time.sleep(0.3)
+        assert triton.loads == [] and watch.reloads == []
+        triton.states = ["READY", "UNAVAILABLE"]  # the operator loads it again; then its engine dies
+        assert watch.check() is None
+        record_death("llm", "engine is dead: 3 failed steps in a row")
+        assert (tmp_path / "llm").read_text() == "engine is dead: 3 failed steps in a row\n"
+        assert watch.check() is None
+        deadline = time.monotonic() + 5
+        while not watch.reloads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert triton.loads == ["/v2/repository/models/llm/load"] and watch.reloads == ["llm"]
+        assert not (tmp_path / "llm").exists()
     finally:
         triton.server.shutdown()
 

@@ -131,6 +131,8 @@ BAD_REQUESTS = [
     ({"text_input": "hi", "stop": ["x"] * 100}, "stop has 100 strings"),
     ({"text_input": "hi", "sampling_parameters": "[" * 50 + "]" * 50}, "sampling_parameters nests 50 levels"),
     ({"text_input": "hi", "beam_width": 2}, "beam_width must be 1"),
+    ({"input_ids": [1, -1], "max_tokens": 2}, "prompt token ids must be integers in [0, 49152), got -1"),
+    ({"input_ids": [49152], "max_tokens": 2}, "prompt token ids must be integers in [0, 49152), got 49152"),
 ]
 
 
@@ -309,10 +311,13 @@ def test_metrics_match_what_the_requests_did(client, triton_server):
 
 
 def test_client_raises_the_server_error(client):
-    with pytest.raises(LLMError, match="top_k"):
-        list(client.stream_grpc("hi", top_k=0))
-    with pytest.raises(LLMError, match="top_k"):
-        list(client.stream_http("hi", top_k=0))
+    """The server's message itself, over each protocol (HTTP streaming sends it as one server-sent event)."""
+    expected = "top_k must be -1 (off) or a positive integer, got 0"
+    for call in (client.stream_grpc, client.stream_http, client.generate):
+        with pytest.raises(LLMError) as raised:
+            result = call("hi", top_k=0)
+            list(result) if call is not client.generate else None
+        assert str(raised.value) == expected, call
 
 
 def test_parallel_sampling_streams_each_completion_and_generate_returns_all(client, triton_server):

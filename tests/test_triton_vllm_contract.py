@@ -49,6 +49,12 @@ def test_cumulative_logprob_without_logprobs_and_logprobs_null(triton_server):
     inputs = {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 5}), "return_logprobs": True}
     results = stream(triton_server, inputs, version="1")
     assert column(results, "logprobs") == [[b"null"]]
+    # Both switches: the cumulative sum, and still null logprobs and no TensorRT-LLM logprob outputs (the
+    # engine computes the sampled tokens' logprobs for the sum, but nobody asked for them).
+    inputs = {**inputs, "return_cumulative_logprob": True}
+    results = stream(triton_server, inputs, version="1")
+    assert column(results, "logprobs") == [[b"null"]] and column(results, "cumulative_logprob")[-1][0] < 0
+    assert column(results, "output_log_probs") == column(results, "cum_log_probs") == []
     # Without the switches, num_output_tokens keeps its meaning here: the completion's tokens so far.
     # A stream behind the engine gets its deltas merged, so the counts are checked against the token ids each
     # response carries, not against a fixed number of responses.

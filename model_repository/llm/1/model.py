@@ -128,9 +128,9 @@ class TritonPythonModel:
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout())
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
-            if not isinstance(prefix, str):  # input_ids: the ids' text
-                prefix = self.engine.tokenizer.decode(prefix)
-            state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.params.logprobs is not None,
+            if not isinstance(prefix, str):  # input_ids: the ids' text, once they are known to be ids of the vocabulary
+                prefix = self.engine.tokenizer.decode(self.engine.check_prompt_token_ids(prefix))
+            state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.logprobs_asked,
                               returns=parsed.returns, wanted=frozenset(request.requested_output_names()),
                               prompt_logprobs=parsed.params.prompt_logprobs is not None)
             structured = parsed.params.structured_outputs
