@@ -41,7 +41,7 @@ from backend.engine_core import CoreSnapshot, EngineCore
 from backend.errors import EngineDeadError, EngineUnavailableError
 from backend.model_loader import load_model
 from backend.model_runner import kv_bytes_per_block, kv_shape
-from backend.model_support import inspect_attention
+from backend.model_support import inspect_attention, max_positions
 from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.parallel_sampling import ParentRequest
@@ -107,8 +107,11 @@ class LLMEngine:
         self.model_config = model.config
         self.model_attention = inspect_attention(model)  # refuses what the engine cannot run exactly
         log.info("%s attention: %s", model.config.model_type, self.model_attention.describe())
-        self.max_model_len = config.max_model_len or min(
-            getattr(model.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
+        positions = max_positions(model.config)
+        if config.max_model_len and positions and config.max_model_len > positions:
+            raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's {positions} positions "
+                             f"(max_position_embeddings and its rotary scaling); past them its outputs are undefined")
+        self.max_model_len = config.max_model_len or min(positions or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)

@@ -97,6 +97,19 @@ def check_config(config) -> None:
                                     f"(AutoModelForCausalLM); this engine serves causal LMs")
 
 
+def max_positions(config) -> int | None:
+    """The longest context a model's config declares (None where it declares none): ``max_position_embeddings``,
+    times the factor of linear, dynamic or YaRN rotary scaling (YaRN's from its original length), as vLLM derives
+    its largest ``max_model_len``."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if limit and rope_type in ("linear", "dynamic", "yarn") and rope.get("factor"):
+        base = rope.get("original_max_position_embeddings", limit) if rope_type == "yarn" else limit
+        limit = int(base * rope["factor"])
+    return limit
+
+
 def inspect_attention(model: torch.nn.Module) -> ModelAttention:
     """Runs one 2-token forward pass of ``model`` with a recording attention function and returns what each
     layer asked for; the model's attention implementation is restored afterwards.

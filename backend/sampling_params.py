@@ -39,7 +39,13 @@ class SamplingParams:
             output (Keskar et al. 2019, CTRL); 1 is off.
         presence_penalty: subtracted once from tokens already in the output (OpenAI semantics).
         frequency_penalty: subtracted per occurrence in the output (OpenAI semantics).
-        seed: a per-request random generator seed (any int64): the same seed gives the same tokens whatever shares the batch.
+        seed: a per-request random generator seed (any int64): the same seed gives the same random draws, so
+            the same tokens wherever the model's probabilities are the same. In fp32 they are the same whatever
+            shares the batch (every GEMM sums in one order for any number of rows); a request preempted and
+            recomputed, or one whose prompt is served from cached blocks that another request's decode steps wrote
+            (a chat's earlier answer), has K/V from a prefill where they came from decode steps, or the reverse;
+            the two attention kernels round differently (about 1e-5 in log-probabilities), so a draw that falls
+            that close to a boundary can go the other way.
         stop: strings that end the request; the stop string itself is not returned (at most
             ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS`` characters).
         stop_token_ids: token ids that end the request (the token is kept in output_ids; at most

@@ -374,6 +374,22 @@ def test_shutdown_aborts_what_is_left_on_the_loop_thread(make_engine, tiny_model
     assert engine.debug_snapshot().running == engine.debug_snapshot().waiting == ()
 
 
+def test_max_model_len_beyond_the_models_positions_is_refused(make_engine, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from backend.model_support import max_positions
+
+    with pytest.raises(ValueError, match="max_model_len 1025 is beyond the model's 1024 positions"):
+        make_engine(tiny_model_dir, max_model_len=1025)
+    assert make_engine(tiny_model_dir, max_model_len=1024).max_model_len == 1024
+    assert max_positions(SimpleNamespace(max_position_embeddings=4096)) == 4096
+    assert max_positions(SimpleNamespace(max_position_embeddings=32768, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})) == 131072
+    assert max_positions(SimpleNamespace(max_position_embeddings=131072, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0})) == 131072  # the extended length is declared already
+    assert max_positions(SimpleNamespace()) is None
+
+
 def test_stream_interval_must_be_positive():
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(stream_interval=0)
