@@ -164,7 +164,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         sampling = body.sampling_parameters(max_tokens, logprobs)
         if tools.structured_outputs() is not None:
             if "structured_outputs" in sampling:
-                raise OpenAIError(400, f"tool_choice {tools.mode} constrains the reply; drop response_format",
+                given = "response_format" if body.response_format is not None else "structured_outputs"
+                raise OpenAIError(400, f"tool_choice {tools.mode} constrains the reply; drop {given}",
                                   "invalid_value", "tool_choice")
             sampling["structured_outputs"] = tools.structured_outputs()
         name, version = await resolve(triton, body.model)
@@ -299,8 +300,8 @@ class _Choice:
     text_offsets: TextOffsets | None = None  # logprobs' text_offset, from the tokens' bytes
     offsets: list = field(default_factory=list)  # the text_offset of each entry of ``logprobs``
     started: bool = False
-    role_sent: bool = False
     tool_parser: ToolCallParser | None = None  # chat with tools: splits the reply into content and tool calls
+    held_logprobs: list = field(default_factory=list)  # streaming with tools: chat logprobs of held-back text
 
     @property
     def finish_reason(self) -> str | None:
@@ -476,6 +477,11 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
     sent as an error event (the status line has gone out already)."""
     usage = {"usage": None} if include_usage else {}
     try:
+        if view.chat:  # every choice's role first, in index order (as OpenAI and vLLM; the SDK's stream needs it)
+            for index in range(len(view.prompts) * view.n):
+                entry = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield _event({**view.header(chunk=True), "choices": [entry], **usage})
         item = first
         while item is not None:
             index, choice, text, logprobs = view.add(*item)
@@ -498,24 +504,23 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
 
 
 def _chat_chunks(index: int, choice: _Choice, text: str, logprobs) -> list[dict]:
-    """The chat chunks' choice entries for one delta: its text, or with tools the content and tool-call deltas
-    the parser releases (none while it holds back a possible ``<tool_call>``); the role goes in the choice's
-    first chunk, the finish reason in its last."""
+    """The chat chunks' choice entries for one delta (the role went out before, `_sse`): its text with its
+    logprobs and finish reason; or, with tools, the content and tool-call deltas the parser releases (none while
+    it holds back a possible ``<tool_call>``), the logprobs of all the text since the last release with the
+    first of them, and the finish reason in an empty delta of its own, as OpenAI ends a tool call."""
     parser = choice.tool_parser
     if parser is None:
-        deltas = [{"content": text}]
-    else:
-        deltas = parser.feed(text) + (parser.finish() if choice.finish_reason else [])
-        if not deltas and choice.finish_reason:
-            deltas = [{}]
-    entries = []
-    for i, delta in enumerate(deltas):
-        if not choice.role_sent:
-            delta = {"role": "assistant", **delta}
-            choice.role_sent = True
-        last = i == len(deltas) - 1
-        entries.append({"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
-                        "finish_reason": _finish_reason(choice) if last else None})
+        return [{"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                 "finish_reason": choice.finish_reason}]
+    if logprobs is not None:
+        choice.held_logprobs.extend(logprobs["content"])
+    deltas = parser.feed(text) + (parser.finish() if choice.finish_reason else [])
+    entries = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+    if choice.finish_reason:
+        entries.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(choice)})
+    if entries and logprobs is not None:
+        entries[0]["logprobs"] = {"content": choice.held_logprobs}
+        choice.held_logprobs = []
     return entries
 
 

@@ -95,6 +95,8 @@ class ResponsesRequest(BaseModel):
 
         Raises: OpenAIError 400 for an input item, tool, tool choice or text format this server does not take.
         """
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise _bad(f"max_output_tokens must be at least 1, got {self.max_output_tokens}", "max_output_tokens")
         tool_choice = self._tool_choice()
         response_format = self._response_format()
         if response_format is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
@@ -186,15 +188,22 @@ class ResponsesRequest(BaseModel):
         for key, value in text.items():
             if value is not None:
                 raise _bad(f"text.{key} is not supported", f"text.{key}", "unsupported_parameter")
-        kind = (fmt or {}).get("type", "text")
+        kind = "text" if fmt is None else fmt.get("type")
+        known = {"text": {"type"}, "json_object": {"type"},
+                 "json_schema": {"type", "name", "schema", "strict", "description"}}.get(kind)
+        if known is None:
+            raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format.type")
+        unknown = sorted(set(fmt or {}) - known)
+        if unknown:
+            raise _bad(f"text.format type {kind} takes no {', '.join(unknown)}", "text.format")
         if kind == "text":
             return None
         if kind == "json_object":
             return {"type": "json_object"}
-        if kind != "json_schema":
-            raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format.type")
         if not isinstance(fmt.get("schema"), dict):
             raise _bad("text.format json_schema needs schema, a JSON schema object", "text.format.schema")
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise _bad("text.format json_schema needs name, a non-empty string", "text.format.name")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
                                                        if k in fmt}}
 

@@ -12,6 +12,9 @@ from typing import Any
 
 from openai_frontend.errors import OpenAIError
 
+FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+JSON_SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
+
 
 def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, Any] | None) -> dict | None:
     """The ``structured_outputs`` sampling parameter for a request, or None for free text.
@@ -23,22 +26,37 @@ def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, 
             passed through for the engine to check.
 
     Raises:
-        OpenAIError: 400 for an unknown ``type``, a ``json_schema`` without a schema object, or both fields.
+        OpenAIError: 400 for a missing or unknown ``type``, a field the type does not take (a ``schema`` beside
+            ``json_object`` included: it would not be enforced), a ``json_schema`` without a ``name`` or a schema
+            object, or both fields.
     """
-    kind = (response_format or {}).get("type", "text")
+    kind = "text" if response_format is None else response_format.get("type")
+    if kind not in FORMAT_FIELDS:
+        raise OpenAIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                          "invalid_value", "response_format")
+    unknown = sorted(set(response_format or {}) - FORMAT_FIELDS[kind])
+    if unknown:
+        hint = ("; a schema goes in {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}"
+                if kind != "json_schema" else "")
+        raise OpenAIError(400, f"response_format type {kind} takes no {', '.join(unknown)}{hint}", "invalid_value",
+                          "response_format")
     if kind == "text":
         constraint = None
     elif kind == "json_object":
         constraint = {"json_object": True}
-    elif kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
+    else:
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise OpenAIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                               "invalid_value", "response_format")
-        constraint = {"json": json.dumps(schema)}
-    else:
-        raise OpenAIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                          "invalid_value", "response_format")
+        unknown = sorted(set(spec) - JSON_SCHEMA_FIELDS)
+        if unknown:
+            raise OpenAIError(400, f"response_format.json_schema has unknown field(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(JSON_SCHEMA_FIELDS))}", "invalid_value", "response_format")
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise OpenAIError(400, "response_format json_schema needs json_schema.name, a non-empty string",
+                              "invalid_value", "response_format")
+        constraint = {"json": json.dumps(spec["schema"])}
     if extra is not None:
         if constraint is not None:
             raise OpenAIError(400, "send response_format or structured_outputs, not both", "invalid_value",

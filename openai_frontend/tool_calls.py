@@ -4,8 +4,9 @@ choices, and parsing the reply into OpenAI ``tool_calls`` (whole, or as streamed
 Formats parsed (``auto``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes,
 Qwen 2/2.5/3), and the same tags around a JSON list of calls (SmolLM2's function-calling format,
 ``<tool_call>[{...}, ...]</tool_call>``); several blocks make several calls, text before the first is the
-message's content; ``parameters`` is accepted for ``arguments``. A block left open when generation ends is
-parsed if its JSON is complete. Anything else stays content.
+message's content; ``parameters`` is accepted for ``arguments``, and arguments that are not an object written as
+JSON text are dumped as JSON (as vLLM's parsers do). A block left open when generation ends is parsed if its JSON
+is complete. Anything else stays content. With ``parallel_tool_calls`` false only the reply's first call is kept.
 
 Presenting: a chat template that takes ``tools`` renders them itself; for one that does not (SmolLM2's),
 a system message lists the tools' signatures in ``<tools></tools>`` and asks for ``<tool_call>`` blocks
@@ -21,6 +22,7 @@ false; a list cut short by ``max_tokens`` keeps its complete calls). ``none`` pr
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,9 @@ from openai_frontend.errors import OpenAIError
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A function without ``parameters`` takes none (as at OpenAI): its arguments are the empty object.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOL_FIELDS = {"type", "function"}
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def parameters(function: dict) -> dict:
@@ -66,19 +71,34 @@ class ToolChoice:
     @classmethod
     def from_request(cls, tools: list[dict] | None, tool_choice: str | dict | None,
                      parallel_tool_calls: bool | None = None) -> "ToolChoice":
-        """Raises: OpenAIError 400 for a malformed tool, an unknown choice, a named function not in ``tools``,
-        or a tool with ``strict`` true where the reply is not constrained to the tools' schemas (``auto``: the
-        arguments are what the model writes, so strict would be a promise not kept)."""
+        """Raises: OpenAIError 400 for a malformed tool (unknown fields, a name outside OpenAI's
+        ``[A-Za-z0-9_-]{1,64}``, a name given twice, parameters that are not an object schema), an unknown choice,
+        a named function not in ``tools``, or a tool with ``strict`` true where the reply is not constrained to
+        the tools' schemas (``auto``: the arguments are what the model writes, so strict would be a promise not
+        kept)."""
         functions = []
         for i, tool in enumerate(tools or []):
             function = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
-                    or not isinstance(function.get("name"), str) or not function["name"]:
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                    or not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise OpenAIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
                                   "invalid_value", "tools")
-            if not isinstance(parameters(function), dict):
-                raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+            for where, given, known in ((f"tools[{i}]", tool, TOOL_FIELDS),
+                                        (f"tools[{i}].function", function, FUNCTION_FIELDS)):
+                unknown = sorted(set(given) - known)
+                if unknown:
+                    raise OpenAIError(400, f"{where} has unknown field(s) {', '.join(unknown)}; known: "
+                                      f"{', '.join(sorted(known))}", "invalid_value", "tools")
+            if not FUNCTION_NAME.fullmatch(function["name"]):
+                raise OpenAIError(400, f"tools[{i}].function.name must be 1-64 letters, digits, underscores or "
+                                  f"dashes, got {function['name']!r}", "invalid_value", "tools")
+            if any(f["name"] == function["name"] for f in functions):
+                raise OpenAIError(400, f"tools[{i}].function.name {function['name']!r} is given twice",
                                   "invalid_value", "tools")
+            schema = parameters(function)
+            if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+                raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema of an object "
+                                  "(arguments are always an object)", "invalid_value", "tools")
             functions.append(function)
         choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
         strict = unenforced_strict(functions, choice)
@@ -310,6 +330,8 @@ class ToolCallParser:
     def _add_calls(self, calls: list[ToolCall]) -> list[dict]:
         deltas = []
         for call in calls:
+            if self.calls and not self.choice.parallel:  # parallel_tool_calls false: the first call only
+                break
             deltas.append({"tool_calls": [call.as_delta(len(self.calls))]})
             self.calls.append(call)
         return deltas
@@ -327,7 +349,10 @@ def _parse_calls(text: str) -> list[ToolCall] | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append(ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        if isinstance(arguments, str) and isinstance(_loads_or_text(arguments), dict):
+            calls.append(ToolCall(item["name"], arguments))  # the object already written as JSON text
+        else:  # arguments are JSON text, whatever the model wrote (as vLLM's parsers dump them)
+            calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls or None
 
 

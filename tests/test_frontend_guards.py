@@ -171,9 +171,41 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
         "name": "f", "strict": True, "parameters": {"type": "object"}}}]}, "tools[0].function.strict",
      "only enforced with tool_choice required"),
+    *[({"messages": [{"role": "user", "content": "hi"}], "tools": tools}, "tools", message) for tools, message in [
+        ([{"type": "function", "function": {"name": "add"}}, {"type": "function", "function": {"name": "add"}}],
+         "tools[1].function.name 'add' is given twice"),
+        ([{"type": "function", "function": {"name": "bad name"}}], "must be 1-64 letters, digits"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+         "parameters must be a JSON schema of an object"),
+        ([{"type": "function", "function": {"name": "f"}, "extra": 1}], "tools[0] has unknown field(s) extra"),
+        ([{"type": "function", "function": {"name": "f", "bogus": 1}}],
+         "tools[0].function has unknown field(s) bogus")]],
+    *[({"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}, "response_format", message)
+      for fmt, message in [
+          ({"type": "json_object", "schema": {"type": "object"}}, "type json_object takes no schema; a schema goes in"),
+          ({}, "type must be text, json_object or json_schema, got None"),
+          ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "needs json_schema.name"),
+          ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}},
+           "json_schema has unknown field(s) bogus"),
+          ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "foo": 1}, "takes no foo")]],
 ])
 def test_chat_requests_that_would_be_silently_misread_are_400_naming_the_field(frontend, body, param, message):
     response = requests.post(f"{frontend}/v1/chat/completions", json={"model": "llm", **body}, headers=AUTH,
+                             timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1, got 0"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name",
+     "needs name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "bogus": 1}}}, "text.format",
+     "takes no bogus"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format", "takes no schema"),
+])
+def test_responses_requests_that_would_be_silently_misread_are_400_naming_the_field(frontend, body, param, message):
+    response = requests.post(f"{frontend}/v1/responses", json={"model": "llm", "input": "hi", **body}, headers=AUTH,
                              timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]

@@ -107,6 +107,31 @@ def test_forced_tool_call_is_valid_and_streams_to_the_same_call(client, tool_cho
     assert calls[0]["id"].startswith("call_")
 
 
+def test_sdk_stream_helper_assembles_every_choices_forced_call_with_its_logprobs(client):
+    """Every choice's role chunk first (index order), the calls' logprobs kept while the parser holds the reply,
+    the finish reason in an empty delta of its own: what the SDK's stream helper needs (it fires
+    ``arguments.done`` on the finish chunk, and indexes choices by their first chunks)."""
+    kwargs = dict(model="llm/1", messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+                  max_completion_tokens=80, parallel_tool_calls=False, logprobs=True, top_logprobs=1)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    expected = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    chunks = list(client.chat.completions.create(**kwargs, n=2, stream=True))
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [(0, "assistant"), (1, "assistant")]
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[-1].finish_reason == "tool_calls" and not mine[-1].delta.tool_calls
+        streamed = [entry for c in mine if c.logprobs for entry in c.logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
+    with client.chat.completions.stream(**kwargs, n=2) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert events.count("tool_calls.function.arguments.done") == 2
+    assert [c.index for c in final.choices] == [0, 1]
+    for choice in final.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected
+
+
 def test_auto_tool_choice_parses_hermes_blocks_or_answers_in_text(client):
     reply = client.chat.completions.create(model="llm/1", messages=ASK_WEATHER, tools=[WEATHER], temperature=0,
                                            max_completion_tokens=80)

@@ -63,16 +63,17 @@ ENFORCED_CASES = [
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 500, "maximum": 510},
                                          "tag": {"type": "string", "maxLength": 5}},
         "required": ["id", "tag"], "additionalProperties": False}),
-    ("additionalProperties schema minProperties maxProperties", {
-        "type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
-        "minProperties": 2, "maxProperties": 3}),
+    ("additionalProperties schema", {
+        "type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}),
+    ("minProperties maxProperties", {
+        "type": "object", "properties": {"a": INT, "b": {"type": "boolean"}, "c": {"type": "null"}},
+        "additionalProperties": False, "minProperties": 2, "maxProperties": 2}),
     ("patternProperties", {"type": "object", "patternProperties": {"^x_[a-z]{1,4}$": {"type": "boolean"}},
-                           "additionalProperties": False, "minProperties": 1, "maxProperties": 3}),
+                           "additionalProperties": False}),
     ("propertyNames", {"type": "object", "propertyNames": {"type": "string", "pattern": "^[a-c]{2}$"},
-                       "additionalProperties": INT, "minProperties": 1, "maxProperties": 3}),
+                       "additionalProperties": INT}),
     ("unevaluatedProperties", {"type": "object", "properties": {"a": INT}, "required": ["a"],
-                               "unevaluatedProperties": {"type": "boolean"}, "minProperties": 2,
-                               "maxProperties": 3}),
+                               "unevaluatedProperties": {"type": "boolean"}}),
     ("anyOf", {"anyOf": [{"type": "integer", "minimum": 900, "maximum": 999}, {"type": "string", "enum": ["none"]}]}),
     ("allOf", {"allOf": [{"$ref": "#/$defs/p"}], "$defs": {"p": {"type": "integer", "minimum": 40, "maximum": 42}}}),
     ("definitions recursive $ref", {

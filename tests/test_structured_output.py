@@ -125,3 +125,15 @@ def test_bitmask_touches_only_rows_with_a_live_grammar(engine):
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert allowed and all("yes".startswith(engine.tokenizer.decode([t])) for t in allowed)
+
+
+def test_vllm_options_that_would_change_what_is_enforced_are_refused_and_backend_choices_passed_over():
+    schema = {"type": "object"}
+    for field, value in [("whitespace_pattern", "\\n"), ("structural_tag", {"structures": []}),
+                         ("disable_additional_properties", True)]:
+        with pytest.raises(ValueError, match=f"structured_outputs.{field} is not supported"):
+            StructuredOutputsParams.from_value({"json": schema, field: value})
+    params = StructuredOutputsParams.from_value({"json": schema, "backend": "outlines", "disable_fallback": True,
+                                                 "disable_any_whitespace": True,
+                                                 "disable_additional_properties": False, "whitespace_pattern": None})
+    assert params.kind == "json" and json.loads(params.json) == schema

@@ -43,6 +43,19 @@ def test_text_that_only_looks_like_a_call_stays_content():
     assert parser.calls[0].arguments == "{}"  # an unclosed block whose JSON is complete
 
 
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_auto_without_parallel_calls_keeps_the_first_call_and_arguments_are_json_text(piece):
+    serial = ToolChoice.from_request([WEATHER], "auto", parallel_tool_calls=False)
+    parser, deltas = parse(serial, HERMES, piece)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"})]
+    assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == [0]
+    reply = ('<tool_call>{"name": "get_weather", "arguments": "not json at all"}</tool_call>'
+             '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+             '<tool_call>{"name": "get_weather", "arguments": [1, "é"]}</tool_call>')
+    parser, _ = parse(ToolChoice.from_request([WEATHER], "auto"), reply, piece)
+    assert [c.arguments for c in parser.calls] == ['"not json at all"', '{"city": "Oslo"}', '[1, "é"]']
+
+
 def test_named_choice_streams_arguments_and_required_keeps_complete_calls():
     named = ToolChoice.from_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     parser, deltas = parse(named, '{"city": "Oslo"}', 5)

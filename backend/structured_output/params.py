@@ -10,9 +10,13 @@ MAX_CONSTRAINT_CHARS = 64 * 1024  # a regex, grammar or choice list (the compile
 MAX_SCHEMA_CHARS = 1 << 20
 MAX_CHOICES = 256
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# vLLM fields that select its own backend or options; accepted and ignored (xgrammar is always used here).
-IGNORED_FIELDS = ("backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                  "whitespace_pattern", "structural_tag")
+# vLLM fields that choose among its backends, accepted and passed over: xgrammar always enforces the constraint
+# here, JSON compiled without free whitespace between tokens (what disable_any_whitespace asks vLLM for).
+IGNORED_FIELDS = ("backend", "disable_fallback", "disable_any_whitespace")
+# vLLM fields that would change what is enforced, which this server does not do: refused when set.
+UNSUPPORTED_FIELDS = {"whitespace_pattern": "JSON is compiled without free whitespace",
+                      "structural_tag": "send the constraint as json, regex, choice or grammar",
+                      "disable_additional_properties": "set additionalProperties false in the schema itself"}
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,12 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_value(cls, value: object) -> "StructuredOutputsParams":
-        """From the wire: an object (or its JSON text) with vLLM's field names. Fields set to null and vLLM's
-        backend options (``IGNORED_FIELDS``) are ignored.
+        """From the wire: an object (or its JSON text) with vLLM's field names. Fields set to null or false and
+        vLLM's backend choices (``IGNORED_FIELDS``) are passed over.
 
         Raises:
-            ValueError: not an object, an unknown field, or what the constructor refuses.
+            ValueError: not an object, an unknown field, a vLLM option this server does not enforce
+                (``UNSUPPORTED_FIELDS``), or what the constructor refuses.
         """
         if isinstance(value, cls):
             return value
@@ -98,7 +103,11 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
-        fields = {k: v for k, v in value.items() if v is not None and k not in IGNORED_FIELDS}
+        for name, instead in UNSUPPORTED_FIELDS.items():
+            if value.get(name) not in (None, False):
+                raise ValueError(f"structured_outputs.{name} is not supported: {instead}")
+        fields = {k: v for k, v in value.items()
+                  if v is not None and k not in IGNORED_FIELDS and k not in UNSUPPORTED_FIELDS}
         unknown = sorted(set(fields) - set(KINDS))
         if unknown:
             raise ValueError(f"unknown structured_outputs field(s) {', '.join(unknown)[:200]}; known: {', '.join(KINDS)}")

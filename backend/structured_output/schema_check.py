@@ -46,11 +46,15 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                              "unless `additionalProperties` allows them"),
     "required": (ENFORCED, "with `type` object; every name listed in `properties`"),
     "additionalProperties": (ENFORCED, "with `type` object"),
-    "patternProperties": (ENFORCED, "with `type` object; each pattern as for `pattern`"),
+    "patternProperties": (ENFORCED, "with `type` object; one pattern (as for `pattern`), `additionalProperties` "
+                                    "false or absent (the grammar does not tell apart keys that two schemas match)"),
     "propertyNames": (ENFORCED, "with `type` object, not together with `properties` or `patternProperties` "
                                 "(whose names it does not check)"),
-    "minProperties": (ENFORCED, "with `type` object"),
-    "maxProperties": (ENFORCED, "with `type` object"),
+    "minProperties": (ENFORCED, "with `type` object whose keys are all named in `properties` (no "
+                                "`patternProperties` or `propertyNames`; `additionalProperties` and "
+                                "`unevaluatedProperties` false or absent): other keys the grammar may write twice, "
+                                "which counts once"),
+    "maxProperties": (ENFORCED, "as for `minProperties`"),
     "unevaluatedProperties": (ENFORCED, "with `type` object"),
     "anyOf": (ENFORCED, "siblings only annotations and `$defs`/`definitions`"),
     "oneOf": (ENFORCED, "siblings as for `anyOf`; branches that cannot overlap: different types, or objects "
@@ -309,6 +313,15 @@ class _Walker:
             self._check_pattern(name, "patternProperties", path)
         if "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema):
             _refuse("propertyNames", path, KEYWORDS["propertyNames"][1])
+        if "patternProperties" in schema and (len(schema["patternProperties"] or {}) > 1
+                                              or schema.get("additionalProperties", False) is not False):
+            _refuse("patternProperties", path, KEYWORDS["patternProperties"][1])
+        open_keys = ("patternProperties" in schema or "propertyNames" in schema
+                     or schema.get("additionalProperties", False) is not False
+                     or schema.get("unevaluatedProperties", False) is not False)
+        for keyword in ("minProperties", "maxProperties"):
+            if keyword in schema and open_keys:
+                _refuse(keyword, path, KEYWORDS["minProperties"][1])
         if "required" in schema:
             required = schema["required"]
             properties = schema.get("properties", {})
