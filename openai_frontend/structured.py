@@ -12,7 +12,8 @@ from typing import Any
 
 from openai_frontend.errors import OpenAIError
 
-FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+# json_object's schema: llama.cpp's server takes one there, and instructor's JSON_SCHEMA mode sends it.
+FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
 JSON_SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
 
 
@@ -26,9 +27,8 @@ def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, 
             passed through for the engine to check.
 
     Raises:
-        OpenAIError: 400 for a missing or unknown ``type``, a field the type does not take (a ``schema`` beside
-            ``json_object`` included: it would not be enforced), a ``json_schema`` without a ``name`` or a schema
-            object, or both fields.
+        OpenAIError: 400 for a missing or unknown ``type``, a field the type does not take, a ``json_schema``
+            without a ``name`` or a schema object, a ``json_object`` schema that is not an object, or both fields.
     """
     kind = "text" if response_format is None else response_format.get("type")
     if kind not in FORMAT_FIELDS:
@@ -36,12 +36,15 @@ def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, 
                           "invalid_value", "response_format")
     unknown = sorted(set(response_format or {}) - FORMAT_FIELDS[kind])
     if unknown:
-        hint = ("; a schema goes in {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}"
-                if kind != "json_schema" else "")
-        raise OpenAIError(400, f"response_format type {kind} takes no {', '.join(unknown)}{hint}", "invalid_value",
+        raise OpenAIError(400, f"response_format type {kind} takes no {', '.join(unknown)}", "invalid_value",
                           "response_format")
     if kind == "text":
         constraint = None
+    elif kind == "json_object" and "schema" in response_format:  # as llama.cpp's server: that schema's JSON
+        if not isinstance(response_format["schema"], dict):
+            raise OpenAIError(400, "response_format json_object's schema must be a JSON schema object",
+                              "invalid_value", "response_format")
+        constraint = {"json": json.dumps(response_format["schema"])}
     elif kind == "json_object":
         constraint = {"json_object": True}
     else:

@@ -182,7 +182,8 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
          "tools[0].function has unknown field(s) bogus")]],
     *[({"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}, "response_format", message)
       for fmt, message in [
-          ({"type": "json_object", "schema": {"type": "object"}}, "type json_object takes no schema; a schema goes in"),
+          ({"type": "json_object", "schema": "{}"}, "json_object's schema must be a JSON schema object"),
+          ({"type": "text", "schema": {}}, "type text takes no schema"),
           ({}, "type must be text, json_object or json_schema, got None"),
           ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "needs json_schema.name"),
           ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}},

@@ -42,6 +42,16 @@ def test_json_schema_completions_at_temperature_1_all_validate(client):
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_json_object_with_a_schema_enforces_that_schema(client):
+    """llama.cpp's form, which instructor's JSON_SCHEMA mode sends."""
+    reply = client.chat.completions.create(
+        model="llm", messages=[{"role": "user", "content": "Describe a person as JSON."}], n=4, temperature=1.0,
+        seed=11, max_completion_tokens=200, response_format={"type": "json_object", "schema": PERSON})
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
 def test_json_object_regex_and_choice_hold(client):
     reply = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "A JSON object about cats."}],
                                            response_format={"type": "json_object"}, max_completion_tokens=60,
