@@ -63,6 +63,8 @@ REFUSED_CASES = [
     ({"type": "object", "patternProperties": {"^a": INT, "^[a-z]+$": {"type": "string"}}}, "patternProperties", "$"),
     ({"type": "object", "patternProperties": {"^n": INT}, "additionalProperties": {"type": "string"}},
      "patternProperties", "$"),
+    ({"type": "object", "properties": {"x1": {"type": "string"}}, "patternProperties": {"^x[0-9]$": INT},
+      "additionalProperties": False}, "patternProperties", "$"),
     ({"type": "object", "additionalProperties": INT, "minProperties": 2}, "minProperties", "$"),
     ({"type": "object", "properties": {"a": INT}, "unevaluatedProperties": INT, "maxProperties": 2},
      "maxProperties", "$"),

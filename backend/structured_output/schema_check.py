@@ -46,8 +46,9 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                              "unless `additionalProperties` allows them"),
     "required": (ENFORCED, "with `type` object; every name listed in `properties`"),
     "additionalProperties": (ENFORCED, "with `type` object"),
-    "patternProperties": (ENFORCED, "with `type` object; one pattern (as for `pattern`), `additionalProperties` "
-                                    "false or absent (the grammar does not tell apart keys that two schemas match)"),
+    "patternProperties": (ENFORCED, "with `type` object; one pattern (as for `pattern`) that no name in "
+                                    "`properties` matches, `additionalProperties` false or absent (the grammar does "
+                                    "not tell apart keys that two schemas match)"),
     "propertyNames": (ENFORCED, "with `type` object, not together with `properties` or `patternProperties` "
                                 "(whose names it does not check)"),
     "minProperties": (ENFORCED, "with `type` object whose keys are all named in `properties` (no "
@@ -232,6 +233,19 @@ def find_refused(schema: object, limits: SchemaLimits = SchemaLimits()) -> str |
     return None
 
 
+def _a_name_matches(properties, patterns) -> bool:
+    """Whether a name in ``properties`` matches one of ``patterns`` (one that Python cannot compile counts as
+    matching: the check must not let an overlap through)."""
+    for pattern in patterns or {}:
+        for name in properties or {}:
+            try:
+                if re.search(pattern, name):
+                    return True
+            except re.error:
+                return True
+    return False
+
+
 def keyword_table_markdown() -> str:
     """The keyword table of ``docs/openai.md``: one row per keyword, enforced first, then annotations, then
     refused."""
@@ -314,7 +328,8 @@ class _Walker:
         if "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema):
             _refuse("propertyNames", path, KEYWORDS["propertyNames"][1])
         if "patternProperties" in schema and (len(schema["patternProperties"] or {}) > 1
-                                              or schema.get("additionalProperties", False) is not False):
+                                              or schema.get("additionalProperties", False) is not False
+                                              or _a_name_matches(schema.get("properties"), schema["patternProperties"])):
             _refuse("patternProperties", path, KEYWORDS["patternProperties"][1])
         open_keys = ("patternProperties" in schema or "propertyNames" in schema
                      or schema.get("additionalProperties", False) is not False
