@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.errors import OpenAIError
 from openai_frontend.protocol import ChatCompletionRequest
+from openai_frontend.structured import JSON_SCHEMA_FIELDS
 from openai_frontend.tool_calls import unenforced_strict, unenforced_strict_error
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -189,8 +190,7 @@ class ResponsesRequest(BaseModel):
             if value is not None:
                 raise _bad(f"text.{key} is not supported", f"text.{key}", "unsupported_parameter")
         kind = "text" if fmt is None else fmt.get("type")
-        known = {"text": {"type"}, "json_object": {"type"},
-                 "json_schema": {"type", "name", "schema", "strict", "description"}}.get(kind)
+        known = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", *JSON_SCHEMA_FIELDS}}.get(kind)
         if known is None:
             raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format.type")
         unknown = sorted(set(fmt or {}) - known)
@@ -204,8 +204,7 @@ class ResponsesRequest(BaseModel):
             raise _bad("text.format json_schema needs schema, a JSON schema object", "text.format.schema")
         if not isinstance(fmt.get("name"), str) or not fmt["name"]:
             raise _bad("text.format json_schema needs name, a non-empty string", "text.format.name")
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
-                                                       if k in fmt}}
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in JSON_SCHEMA_FIELDS if k in fmt}}
 
 
 def _text(content, where: str) -> str:
