@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--open-render", action="store_true",
                         help="the render endpoints (token ids only, nothing generated) answer without the API key, "
                              "for a caller that cannot send one (the gateway's endpoint picker)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a request's own chat_template (Jinja code run in this process) instead of "
+                             "refusing it with 400; only where every caller is trusted")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     try:
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
                             args.chat_template.read_text() if args.chat_template else None, api_key, limits,
-                            args.triton_metrics_url or None, args.open_render)
+                            args.triton_metrics_url or None, args.open_render,
+                            args.trust_request_chat_template)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 http=SlicedHttpToolsProtocol)
 

@@ -50,7 +50,8 @@ class FrontendConfig:
     tokenizer (directory or .gguf) for every model instead. chat_template: a Jinja template (text) used
     instead of the tokenizer's. api_key: required as ``Authorization: Bearer`` when set
     (``openai_frontend.auth``). limits: request bounds (``openai_frontend.limits``). open_render: the render
-    endpoints need no key (``openai_frontend.auth.RENDER_PATHS``)."""
+    endpoints need no key (``openai_frontend.auth.RENDER_PATHS``). trust_request_chat_template: a request's own
+    ``chat_template`` is rendered instead of refused (``openai_frontend.chat_template.render_chat``)."""
 
     triton_url: str = "localhost:8001"
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
@@ -60,6 +61,7 @@ class FrontendConfig:
     limits: Limits = field(default_factory=Limits)
     triton_metrics_url: str | None = "http://localhost:8002/metrics"  # re-exposed on /metrics (metrics.py)
     open_render: bool = False
+    trust_request_chat_template: bool = False
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
@@ -170,7 +172,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
             sampling["structured_outputs"] = tools.structured_outputs()
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)  # the first load takes seconds
-        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools)
+        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
+                                         config.trust_request_chat_template)
         request_id = _request_id(body, request)
         view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
                      prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
@@ -200,7 +203,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
         tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools)  # as generated
+        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
+                                         config.trust_request_chat_template)  # as generated
         (ids,) = await render_token_ids(tokenizer, [prompt], max_model_len(config.model_repository, name, version))
         return await json_response({"token_ids": ids})
 

@@ -61,14 +61,16 @@ class APIKeyMiddleware:
 
     def __init__(self, app, key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        if hmac.compare_digest(sent, self.expected):
+        scheme, _, token = sent.strip().partition(b" ")
+        # The scheme's name is case-insensitive (RFC 9110, sec. 11.1); the key is compared exactly.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             return await self.app(scope, receive, send)
         message = ("Incorrect API key provided." if sent else
                    "You didn't provide an API key. You need to provide your API key in an Authorization header "

@@ -8,12 +8,24 @@ from openai_frontend.tool_calls import ToolChoice, messages_for_plain_template
 
 
 def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None,
-                 tools: ToolChoice | None = None) -> str:
+                 tools: ToolChoice | None = None, trust_request_template: bool = False) -> str:
     """The prompt text: the chat template (the request's ``chat_template``, the server's, or the tokenizer's)
     over the messages, with the generation prompt unless ``add_generation_prompt`` is false, the last message
     left open with ``continue_final_message``. A template that renders ``tools`` gets them; for one that does
     not, they (and earlier tool calls and results) are presented in the Hermes format
-    (``openai_frontend.tool_calls``)."""
+    (``openai_frontend.tool_calls``).
+
+    A request's own template is Jinja code that runs in the frontend for as long as it likes (nested loops of
+    100,000 each are allowed by Jinja's sandbox), so it is refused unless the operator trusts callers with it
+    (``trust_request_template``; vLLM's ``--trust-request-chat-template`` makes the same choice).
+
+    Raises:
+        OpenAIError: 400 for a request's ``chat_template`` that is not trusted, or a template that fails.
+    """
+    if body.chat_template is not None and not trust_request_template:
+        raise OpenAIError(400, "chat_template: a request may not bring its own chat template here (it would run "
+                               "as code in the server); the operator allows it with --trust-request-chat-template",
+                          "invalid_request", "chat_template")
     tools = tools or ToolChoice("none")
     chat_template = body.chat_template or chat_template
     messages = body.messages_for_template()

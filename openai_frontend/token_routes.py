@@ -75,7 +75,8 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
                                          continue_final_message=body.continue_final_message)
             chat.check()
             tools = ToolChoice.from_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-            prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools)
+            prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools,
+                                             config.trust_request_chat_template)
         else:
             prompt = body.prompt
         [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=body.add_special_tokens)

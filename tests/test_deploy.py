@@ -155,6 +155,11 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
     assert route["parentRefs"] and route["parentRefs"][0]["name"]
     backends = [b for rule in route["rules"] for b in rule["backendRefs"]]
     assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "triton-llm"}]
+    # Clients' routes only: the render endpoints answer without the key here (--open-render), so the Gateway
+    # must not reach them (nor /tokenize, /docs, ...).
+    paths = {(m["path"]["type"], m["path"]["value"]) for rule in route["rules"] for m in rule["matches"]}
+    assert paths == {("Exact", "/v1/completions"), ("Exact", "/v1/chat/completions"), ("Exact", "/v1/responses"),
+                     ("PathPrefix", "/v1/models")}
     # PodMonitor: selects the pods, scrapes the frontend's port (vLLM names) and Triton's (its vllm:* dropped there).
     monitor = one(docs, "PodMonitor")["spec"]
     assert monitor["selector"]["matchLabels"].items() <= pod_labels.items()
@@ -195,7 +200,12 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_ports():
     assert "--open-render" in openai["args"] and set(PICKER_RELEASE["parameters"]["token-producer"]["vllm"]) == {
         "url", "timeout", "mmTimeout"}
     for overlay in ("base", "overlays/cpu"):
-        assert "--open-render" not in container(one(render(overlay), "Deployment", "triton-llm"), "openai")["args"]
+        other = render(overlay)
+        triton_there = container(one(other, "Deployment", "triton-llm"), "triton")
+        assert "--open-render" not in container(one(other, "Deployment", "triton-llm"), "openai")["args"]
+        # KV events carry every cached prompt's token ids: published only where the picker reads them.
+        assert not any(key.startswith("kv_events") for key in engine_settings(other))
+        assert {p["containerPort"] for p in triton_there["ports"]} == {8000, 8001, 8002}
     assert port(openai, "openai") in [p["port"] for p in service["spec"]["ports"]]
 
 
@@ -337,6 +347,7 @@ def replicas(tmp_path_factory):
     """Two replicas on the CPU overlay's engine settings (their KV events ports moved to free ones; the second
     with max_num_seqs 2 so that requests wait), each with the OpenAI frontend."""
     docs = render("overlays/cpu")
+    gateway_settings = engine_settings(render("overlays/gateway"))
     deployment = one(docs, "Deployment", "triton-llm")
     started = []
     for index in range(2):
@@ -345,7 +356,9 @@ def replicas(tmp_path_factory):
         (repository / "llm" / "1").mkdir(parents=True)  # what the init container does
         shutil.copy(DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt", repository / "llm" / "config.pbtxt")
         shutil.copy(DEFAULT_MODEL_REPOSITORY / "llm" / "1" / "model.py", repository / "llm" / "1" / "model.py")
-        settings = engine_settings(docs)
+        # The CPU overlay's settings with the gateway overlay's KV events, as an operator combining the two.
+        settings = {**engine_settings(docs), **{key: value for key, value in gateway_settings.items()
+                                                if key.startswith("kv_events")}}
         events, replay_port = free_port(), free_port()
         settings["kv_events_endpoint"] = settings["kv_events_endpoint"].replace(":5557", f":{events}")
         settings["kv_events_replay_endpoint"] = settings["kv_events_replay_endpoint"].replace(":5558", f":{replay_port}")

@@ -51,6 +51,11 @@ def test_api_key_missing_or_wrong_is_401_in_openai_shape(frontend):
 def test_right_key_passes_and_health_and_metrics_paths_stay_open(frontend):
     # Past the key, /v1/models asks Triton, which is not there: 503 from the route, not 401.
     assert requests.get(f"{frontend}/v1/models", headers=AUTH, timeout=30).status_code == 503
+    for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive; the key is not
+        assert requests.get(f"{frontend}/v1/models", headers={"Authorization": f"{scheme} {KEY}"},
+                            timeout=30).status_code == 503
+    assert requests.get(f"{frontend}/v1/models", headers={"Authorization": f"Bearer {KEY.upper()}"},
+                        timeout=30).status_code == 401
     assert requests.get(f"{frontend}/health", timeout=30).status_code == 503  # open: Triton is down
     assert requests.head(f"{frontend}/health", timeout=30).status_code == 503  # health checkers that use HEAD
     assert requests.get(f"{frontend}/metrics", timeout=10).status_code != 401

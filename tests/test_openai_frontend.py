@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from openai_frontend.errors import error_from_triton
+from openai_frontend.errors import OpenAIError, error_from_triton
 from triton_server import settled
 
 PROMPT = "The three primary colors are"
@@ -334,6 +334,11 @@ def test_chat_template_override_replaces_the_tokenizers(tokenizer):
     assert render_chat(tokenizer, body, template) == "<user>Name three primary colors.<assistant>"
     assert render_chat(tokenizer, body, None) == tokenizer.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True)
+    own = body.model_copy(update={"chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"})
+    with pytest.raises(OpenAIError) as refused:  # a caller's template is code run in the server
+        render_chat(tokenizer, own, template)
+    assert refused.value.status == 400 and refused.value.param == "chat_template"
+    assert render_chat(tokenizer, own, template, trust_request_template=True) == "[Name three primary colors.]"
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -383,11 +388,9 @@ def test_vllm_surface_model_by_id_request_ids_usage_bias_and_templates(frontend,
     assert [c.usage.completion_tokens for c in chunks if c.choices] == [1, 2, 3, 4]
     forced = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"42": 100})
     assert forced.choices[0].text == tokenizer.decode([42, 42, 42])
-    templated = client.chat.completions.create(
-        model=FP32, messages=MESSAGES, max_tokens=1, extra_body={
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):  # Jinja code from a caller
+        client.chat.completions.create(model=FP32, messages=MESSAGES, max_tokens=1, extra_body={
             "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"})
-    assert templated.usage.prompt_tokens < client.chat.completions.create(
-        model=FP32, messages=MESSAGES, max_tokens=1).usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model=FP32, messages=MESSAGES, extra_body={"continue_final_message": True})
 
