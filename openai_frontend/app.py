@@ -41,6 +41,7 @@ from openai_frontend.tool_calls import ToolCallParser, ToolChoice
 from openai_frontend.triton_stream import Delta, TritonLLM
 
 DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+RETRY_AFTER_S = 1  # the Retry-After of every 503 answer
 
 
 @dataclass
@@ -85,7 +86,9 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # A 503 is temporary (overload, a model not ready, Triton away): clients and gateways may retry.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method, ...

@@ -1,8 +1,9 @@
 """OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``) and the status of Triton's errors.
 
 Triton's gRPC stream carries an error's message but not its code, so the status is read from the message:
-an unknown model is 404, an overloaded or unavailable server 503, the model's ``internal error: ...`` 500,
-and anything else the model rejected (its validation of the request) 400.
+an unknown model is 503 (the frontend found the model ready just before: it was unloaded since, by a drain or
+a fault, and a retry elsewhere or later may succeed), an overloaded or unavailable server 503, the model's
+``internal error: ...`` 500, and anything else the model rejected (its validation of the request) 400.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class OpenAIError(Exception):
 def error_from_triton(message: str) -> OpenAIError:
     """The OpenAIError for an error message that Triton or the model sent on the stream."""
     if _NOT_FOUND.search(message):
-        return OpenAIError(404, message, "model_not_found", "model")
+        return OpenAIError(503, message, "model_not_ready", "model")
     if _UNAVAILABLE.search(message):
         return OpenAIError(503, message, "service_unavailable")
     if message.startswith("internal error") or "failed" in message.lower() and "generation" in message.lower():

@@ -24,8 +24,19 @@ async def model_ids(triton: TritonLLM) -> list[str]:
 
 
 async def resolve(triton: TritonLLM, model_id: str) -> tuple[str, str]:
-    """``name`` or ``name/version`` -> (name, version); 404 unless Triton serves it."""
-    if model_id not in await model_ids(triton):
+    """``name`` or ``name/version`` -> (name, version).
+
+    Raises:
+        OpenAIError: 503 for a model this frontend serves with no version ready (loading, restarting after a
+            fault, or unloaded by a drain: a client or gateway retries elsewhere or later); 404 for a name it
+            does not serve, or a version that is not ready while another is.
+    """
+    ids = await model_ids(triton)
+    if model_id not in ids:
+        name = model_id.partition("/")[0]
+        if name in triton.offered() and name not in ids:
+            raise OpenAIError(503, f"The model `{name}` is not ready (loading, restarting or draining); retry shortly.",
+                              "model_not_ready", "model")
         raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model_not_found", "model")
     name, _, version = model_id.partition("/")
     return name, version

@@ -24,11 +24,26 @@ from pathlib import Path
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.errors import OpenAIError, error_from_triton
 
 CLOSE_TIMEOUT_S = 10.0  # a finished stream that has not ended this long after our half-close is cancelled
+# tritonclient's own channel options, and a reconnect backoff of at most 2 s: gRPC's default grows to 120 s, so
+# that once Triton came back (a restart, a slow first load) /health stayed 503 for up to two minutes after.
+_KEEPALIVE = grpcclient.KeepAliveOptions()
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.keepalive_time_ms", _KEEPALIVE.keepalive_time_ms),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE.keepalive_timeout_ms),
+    ("grpc.keepalive_permit_without_calls", _KEEPALIVE.keepalive_permit_without_calls),
+    ("grpc.http2.max_pings_without_data", _KEEPALIVE.http2_max_pings_without_data),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 @dataclass
@@ -62,8 +77,14 @@ class TritonLLM:
     @property
     def client(self) -> grpcclient.InferenceServerClient:
         if self._client is None:
-            self._client = grpcclient.InferenceServerClient(self.url)
+            self._client = grpcclient.InferenceServerClient(self.url, channel_args=CHANNEL_ARGS)
         return self._client
+
+    def offered(self) -> list[str]:
+        """The model names this frontend serves: the directories of ``model_repository``, ready or not."""
+        if self.model_repository is None or not self.model_repository.is_dir():
+            return []
+        return sorted(p.name for p in self.model_repository.iterdir() if p.is_dir())
 
     async def close(self) -> None:
         if self._closing:
@@ -87,8 +108,7 @@ class TritonLLM:
         Raises:
             OpenAIError: 503 when Triton cannot be reached.
         """
-        names = sorted(p.name for p in self.model_repository.iterdir() if p.is_dir()) \
-            if self.model_repository is not None and self.model_repository.is_dir() else []
+        names = self.offered()
 
         async def versions(name: str) -> list[tuple[str, str]]:
             try:

@@ -252,7 +252,11 @@ def test_openai_frontend_service_talks_to_tritons_grpc_port(compose):
     command = openai["command"]
     assert command[:3] == ["python3", "-m", "openai_frontend"]
     assert flag(command, "--triton-url") == f"triton:{GRPC_PORT}"
-    assert openai["ports"] == [f"{flag(command, '--port')}:9000"] and flag(command, "--port") == "9000"
+    # Loopback unless the operator publishes it (OPENAI_BIND): without LLM_API_KEY the API is open.
+    assert openai["ports"] == [f"${{OPENAI_BIND:-127.0.0.1}}:{flag(command, '--port')}:9000"]
+    assert flag(command, "--port") == "9000"
+    # The frontend's streams outlive Triton's 30 s drain grace before Compose kills it.
+    assert openai["stop_grace_period"] == compose["services"]["triton"]["stop_grace_period"] == "60s"
     assert bind_mounts(openai)[flag(command, "--model-repository")] == (REPO_ROOT / "model_repository", True)
     assert openai["image"] == compose["services"]["triton"]["image"]
     assert openai["environment"]["LLM_API_KEY"] == "${LLM_API_KEY:-}", "the API key comes from the environment"

@@ -38,7 +38,8 @@ def wait_idle(server, timeout: float = 10.0) -> float:
 
 
 def test_status_of_triton_errors_is_read_from_the_message():
-    assert error_from_triton("Request for unknown model: 'x' is not found").status == 404
+    # The frontend resolved the model just before: gone since (drained, or a fault), so worth a retry.
+    assert error_from_triton("Request for unknown model: 'x' is not found").status == 503
     assert error_from_triton("server is full: 9 requests (90 tokens) already waiting, at most 8").status == 503
     assert error_from_triton("server is shutting down; retry on another instance").status == 503
     assert error_from_triton("internal error: boom").status == 500
@@ -117,6 +118,25 @@ def test_stop_string_ends_the_text_before_it(client):
     stopped = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=16, temperature=0, stop=[word])
     assert stopped.choices[0].text == greedy[:greedy.index(word)]
     assert stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.server
+def test_a_served_model_with_no_version_ready_is_503_with_retry_after(triton_server, tmp_path):
+    from openai_frontend.app import FrontendConfig, create_app
+    from triton_server import serve_app
+
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "standby").mkdir()  # a model this frontend serves that Triton has not loaded (loading, drained)
+    with serve_app(create_app(FrontendConfig(triton_url=triton_server.grpc_url, model_repository=tmp_path))) as url:
+        body = {"model": "standby", "prompt": "hi", "max_tokens": 1}
+        waiting = requests.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert waiting.status_code == 503 and waiting.headers["retry-after"] == "1", waiting.text
+        assert waiting.json()["error"]["code"] == "model_not_ready"
+        missing = requests.post(f"{url}/v1/completions", json={**body, "model": "elsewhere"}, timeout=60)
+        assert missing.status_code == 404 and "retry-after" not in missing.headers
+        assert missing.json()["error"]["code"] == "model_not_found"
+        ids = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]]
+        assert "llm" in ids and "standby" not in ids
 
 
 @pytest.mark.server
