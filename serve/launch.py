@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
                         help="port of the OpenAI frontend started beside tritonserver (0: none); its API key comes "
                              "from LLM_API_KEY or LLM_API_KEY_FILE in this environment")
+    parser.add_argument("--openai-arg", action="append", default=[], metavar="ARG",
+                        help="a flag for the OpenAI frontend, written with '=' (repeat for several), e.g. "
+                             "--openai-arg=--max-request-body-bytes=1048576 (python -m openai_frontend --help)")
     parser.add_argument("--drain-timeout-secs", type=float, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
                              "(their own grace period is the model setting drain_grace_s) before stopping "
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         argvs.append([sys.executable, "-m", "openai_frontend", "--port", str(args.openai_port),
                       "--triton-url", f"{_connect_host(args.triton_host)}:{args.grpc_port}", "--model-repository",
                       str(args.model_repository), "--triton-metrics-url",
-                      f"http://{_connect_host(args.triton_host)}:{args.metrics_port}/metrics"])
+                      f"http://{_connect_host(args.triton_host)}:{args.metrics_port}/metrics", *args.openai_arg])
         envs.append(_without(command.env, control.KEY_ENV, control.KEY_FILE_ENV))
         print("+", " ".join(argvs[-1]), flush=True)
     url = f"http://{_connect_host(args.triton_host)}:{args.http_port}"

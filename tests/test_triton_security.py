@@ -39,7 +39,8 @@ def launcher(tmp_path_factory, default_model_dir):
     models = single_version_repository(root / "models", SETTINGS)
     port = free_port()
     server = start_launcher(root / "serve.log", models, openai_port=port,
-                            env={"TRITON_ADMIN_KEY": ADMIN_KEY, "LLM_API_KEY": API_KEY, ENV_VAR: str(root / "fault")})
+                            env={"TRITON_ADMIN_KEY": ADMIN_KEY, "LLM_API_KEY": API_KEY, ENV_VAR: str(root / "fault")},
+                            launcher_args=["--openai-arg=--max-prompts-per-request=4"])
     server.openai_url = f"http://127.0.0.1:{port}"
     server.fault = root / "fault"
     yield server
@@ -116,6 +117,9 @@ def test_openai_api_key(launcher):
     assert requests.get(f"{launcher.openai_url}/health", timeout=10).json() == {"status": "ok"}
     ids = [m["id"] for m in requests.get(f"{launcher.openai_url}/v1/models", headers=AUTH, timeout=10).json()["data"]]
     assert ids == ["llm", "llm/1"]  # listed through model metadata: the frontend holds no admin key
+    # The launcher's --openai-arg reached the frontend: its bound on completions per request is 4 here.
+    five = requests.post(url, json={**body, "prompt": ["Hello"] * 5}, headers=AUTH, timeout=60)
+    assert five.status_code == 400 and "at most 4" in five.json()["error"]["message"], five.text
 
 
 def test_large_body_is_413_fast_while_a_stream_and_a_small_request_go_on(launcher):
