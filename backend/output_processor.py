@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from backend.detokenizer import IncrementalDetokenizer
 from backend.outputs import RequestMetrics, RequestOutput, coalesce
 from backend.parallel_sampling import ParentRequest
-from backend.request import Request
+from backend.request import Request, RequestStatus
 from backend.sampler import TokenLogprobs
 from backend.stopping import stop_strings_active
 
@@ -95,6 +95,10 @@ class OutputProcessor:
         """Adds each request's new tokens to its text, one by one (a speculative decode appends several),
         stopping at the first that completes a stop string.
 
+        A request the scheduler ended on a token (EOS, a stop token id, a finished grammar) leaves that token's
+        text out unless ``include_stop_str_in_output``, as vLLM's detokenizer does for a stop-terminated request;
+        the token itself stays in ``token_ids`` and its logprobs.
+
         Returns:
             (request, where its stop string ends) for the requests whose text now ends in a stop string (outside
             ``min_tokens``): None when in the last token, else the number of output tokens up to and including
@@ -106,14 +110,20 @@ class OutputProcessor:
             detokenizer = state.detokenizer
             num_new = request.num_output_tokens - state.num_detokenized
             state.num_detokenized = request.num_output_tokens
+            # Stop strings are matched below, so a request stopped already was stopped by its last token.
+            stop_token = (request.status == RequestStatus.FINISHED_STOPPED
+                          and not request.params.include_stop_str_in_output)
             if num_new == 1:
-                detokenizer.add_token(request.token_ids[-1], check_stop=stop_strings_active(request))
+                if not stop_token:
+                    detokenizer.add_token(request.token_ids[-1], check_stop=stop_strings_active(request))
                 if detokenizer.stopped:
                     stopped.append((request, None))
                 continue
             min_tokens = request.params.min_tokens
             for i, token_id in enumerate(request.token_ids[-num_new:]):
                 num_output_tokens = request.num_output_tokens - num_new + i + 1
+                if stop_token and num_output_tokens == request.num_output_tokens:
+                    break
                 detokenizer.add_token(token_id, check_stop=num_output_tokens > min_tokens)  # stop_strings_active
                 if detokenizer.stopped:
                     last = num_output_tokens == request.num_output_tokens

@@ -144,16 +144,18 @@ def create_app(config: FrontendConfig) -> FastAPI:
         if echo_logprobs:  # the prompt's tokens come back with their logprobs, from the prefill itself
             sampling["prompt_logprobs"] = max(body.prompt_logprobs or 0, body.logprobs)
         texts, ids, token_bytes = [p if isinstance(p, str) else "" for p in prompts], [None] * len(prompts), None
-        if body.logprobs is not None or (body.echo and any(not isinstance(p, str) for p in prompts)):
+        if body.logprobs is not None or (body.echo and (body.truncate_prompt_tokens is not None
+                                                        or any(not isinstance(p, str) for p in prompts))):
             tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
             token_bytes = TokenBytes(tokenizer, body.skip_special_tokens is not False)
             if body.echo:
-                texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs)
+                texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs,
+                                                     body.truncate_prompt_tokens)
         request_id = _request_id(body, request)
         view = _View("text_completion", f"cmpl-{request_id}", body.model, chat=False, echo=bool(body.echo),
                      prompts=texts, n=body.n or 1, top_n=body.logprobs, echo_only=echo_only, prompt_ids=ids,
                      token_bytes=token_bytes,
-                     prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage)
+                     prompt_logprobs=body.prompt_logprobs, continuous_usage=body.continuous_usage)
         events = _merged(triton, name, version, prompts, sampling, request_id)
         if echo_logprobs:
             events = _prompt_logprobs_first(events)
@@ -180,7 +182,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         request_id = _request_id(body, request)
         view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
                      prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
-                     prompt_logprobs=body.prompt_logprobs is not None, continuous_usage=body.continuous_usage,
+                     prompt_logprobs=body.prompt_logprobs, continuous_usage=body.continuous_usage,
                      end_token_ids=frozenset(tokenizer.all_special_ids) if body.skip_special_tokens is not False
                      else frozenset(),
                      token_bytes=TokenBytes(tokenizer, body.skip_special_tokens is not False) if body.logprobs else None)
@@ -221,17 +223,23 @@ def _request_id(body, request: Request) -> str:
     return body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
-def _echo_prompts(tokenizer, prompts: list[str | list[int]], with_ids: bool) -> tuple[list[str], list]:
-    """Each prompt's text (token ids decoded) and, when ``with_ids``, its token ids as the engine computes them
-    (the same tokenizer and call): they name the prompt's tokens in echoed logprobs."""
+def _echo_prompts(tokenizer, prompts: list[str | list[int]], with_ids: bool,
+                  truncate: int | None = None) -> tuple[list[str], list]:
+    """Each prompt as the engine reads it: its text (token ids decoded) and, when ``with_ids``, its token ids
+    as the engine computes them (the same tokenizer and call), which name the prompt's tokens in echoed
+    logprobs. With ``truncate`` (``truncate_prompt_tokens``) only the last ``truncate`` tokens, as the engine
+    keeps them, and their text."""
     texts, ids = [], []
     for prompt in prompts:
-        texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt))
-        if with_ids:
+        token_ids = None
+        if with_ids or truncate is not None or not isinstance(prompt, str):
             token_ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else prompt
-            ids.append(token_ids)
+        if truncate is not None and len(token_ids) > truncate:
+            token_ids = token_ids[-truncate:]
+            texts.append(tokenizer.decode(token_ids))
         else:
-            ids.append(None)
+            texts.append(prompt if isinstance(prompt, str) else tokenizer.decode(prompt))
+        ids.append(token_ids if with_ids else None)
     return texts, ids
 
 
@@ -331,7 +339,7 @@ class _View:
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
     prompt_ids: list | None = None  # per prompt token ids, where echoed logprobs need them
     token_bytes: TokenBytes | None = None  # with logprobs: how tokens are named, and their text offsets
-    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field is answered
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field is answered, this wide
     continuous_usage: bool = False  # streaming: usage so far in every chunk
     # Chat: a special token that ends the reply (end of turn) is not part of the message, so, as at OpenAI, it
     # has no logprobs entry either.
@@ -354,14 +362,16 @@ class _View:
         if delta.prompt_logprobs is not None:
             self.raw_prompt_logprobs[prompt_index] = delta.prompt_logprobs
         text = "" if self.echo_only else delta.text
-        entries = [] if self.echo_only or self.top_n is None else _logprob_entries(delta, self.top_n)
+        entries = [] if self.echo_only or self.top_n is None else _logprob_entries(delta, self.top_n, not self.chat)
         if entries and delta.finish_reason and delta.token_ids and delta.token_ids[-1] in self.end_token_ids:
             entries = entries[:-1]
+        echoed = []  # the echoed prompt's entries, on a choice's first delta
         if self.echo and not choice.started:
             choice.echoed = self.prompts[prompt_index]
             text = choice.echoed + text
             if self.top_n is not None:
-                entries = self._prompt_entries(prompt_index) + entries
+                echoed = self._prompt_entries(prompt_index)
+                entries = echoed + entries
         choice.started = True
         self.num_input_tokens[prompt_index] = delta.num_input_tokens
         self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
@@ -369,7 +379,10 @@ class _View:
         if self.top_n is not None:
             if choice.text_offsets is None:
                 choice.text_offsets = self.token_bytes.offsets()
-            offsets = [choice.text_offsets.next(e[0]) for e in entries]
+            # The echoed prompt spells its special tokens (it is echoed as sent); the generated text does not
+            # where skip_special_tokens holds.
+            offsets = [choice.text_offsets.next(e[0], choice.echoed if i < len(echoed) else None)
+                       for i, e in enumerate(entries)]
             choice.logprobs.extend(entries)
             choice.offsets.extend(offsets)
             new_logprobs = self.logprobs(entries, offsets)
@@ -387,10 +400,20 @@ class _View:
             raise OpenAIError(500, "the prompt's logprobs did not come back with the answer", "internal_error")
         entries = [(ids[0], None, None)] if ids else []
         for token_id, alternatives in zip(ids[1:], raw[1:]):
-            ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
-            top = [(int(i), a["logprob"]) for i, a in ranked[:self.top_n]]
-            entries.append((token_id, alternatives[str(token_id)]["logprob"], top))
+            entries.append((token_id, alternatives[str(token_id)]["logprob"],
+                            _top(alternatives, self.top_n, token_id)))
         return entries
+
+    def prompt_logprobs_of(self, prompt_index: int) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a prompt, as wide as asked: the engine computed them wider where echoed
+        ``logprobs`` asked for more (the prompt's own token stays, whatever its rank)."""
+        raw = self.raw_prompt_logprobs.get(prompt_index)
+        ids = (self.prompt_ids or [None] * (prompt_index + 1))[prompt_index]
+        if raw is None or ids is None or len(ids) != len(raw):
+            return raw
+        return [None if position is None else
+                {k: v for k, v in position.items() if (v.get("rank") or 0) <= self.prompt_logprobs or k == str(t)}
+                for t, position in zip(ids, raw)]
 
     def logprobs(self, entries: list, offsets: list[int]):
         """OpenAI's logprobs object for these tokens: chat's ``{"content": [...]}`` or the completions form
@@ -417,15 +440,26 @@ class _View:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def _logprob_entries(delta: Delta, top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """(token id, logprob, top alternatives) per new token, from the model's vLLM-form ``logprobs`` output."""
+def _logprob_entries(delta: Delta, top_n: int, with_sampled: bool) -> list[tuple[int, float, list]]:
+    """(token id, logprob, top alternatives) per new token, from the model's vLLM-form ``logprobs`` output;
+    ``with_sampled``: the completions API's top alternatives hold the sampled token too (see :func:`_top`)."""
     entries = []
     for token_id, alternatives in zip(delta.token_ids, delta.logprobs or []):
-        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
         sampled = alternatives.get(str(token_id)) or {}
-        top = [(int(i), a["logprob"]) for i, a in ranked[:top_n]]
-        entries.append((token_id, sampled.get("logprob"), top))
+        entries.append((token_id, sampled.get("logprob"),
+                        _top(alternatives, top_n, token_id if with_sampled else None)))
     return entries
+
+
+def _top(alternatives: dict[str, dict], top_n: int, sampled: int | None = None) -> list[tuple[int, float]]:
+    """The ``top_n`` most likely tokens as (token id, logprob), best first, then ``sampled`` where it is not
+    among them: the completions API's ``top_logprobs`` always holds the chosen token (up to ``logprobs`` + 1
+    entries, as OpenAI's legacy API and vLLM answer); chat's hold exactly ``top_logprobs``."""
+    ranked = sorted(alternatives.items(), key=lambda kv: kv[1].get("rank") or 0)
+    top = [(int(i), a["logprob"]) for i, a in ranked[:top_n]]
+    if sampled is not None and str(sampled) in alternatives and all(i != sampled for i, _ in top):
+        top.append((sampled, alternatives[str(sampled)]["logprob"]))
+    return top
 
 
 async def _respond(view: _View, events: AsyncIterator[tuple[int, Delta]], stream: bool | None,
@@ -471,11 +505,11 @@ async def _collect(view: _View, first, events) -> dict:
         else:
             choices.append({"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason})
-            if view.prompt_logprobs:  # vLLM's field: per choice, its prompt's
-                choices[-1]["prompt_logprobs"] = view.raw_prompt_logprobs.get(index // view.n)
+            if view.prompt_logprobs is not None:  # vLLM's field: per choice, its prompt's
+                choices[-1]["prompt_logprobs"] = view.prompt_logprobs_of(index // view.n)
     answer = {**view.header(chunk=False), "choices": choices, "usage": view.usage()}
-    if view.chat and view.prompt_logprobs:  # vLLM's field: once, for the one prompt
-        answer["prompt_logprobs"] = view.raw_prompt_logprobs.get(0)
+    if view.chat and view.prompt_logprobs is not None:  # vLLM's field: once, for the one prompt
+        answer["prompt_logprobs"] = view.prompt_logprobs_of(0)
     return answer
 
 

@@ -98,9 +98,15 @@ class TextOffsets:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.chars = 0
 
-    def next(self, token_id: int) -> int:
-        """The offset of this token; advances past it."""
+    def next(self, token_id: int, text: str | None = None) -> int:
+        """The offset of this token; advances past it. ``text``: the echoed prompt this token is part of, which
+        spells special tokens where they were written (a special token counts its characters where ``text`` holds
+        it at this offset, none where it does not: a BOS the tokenizer added)."""
         offset = self.chars
         if token_id not in self.token_bytes.special:
             self.chars += len(self.decoder.decode(self.token_bytes.of(token_id)))
+        elif text is not None:
+            spelled = self.token_bytes.of(token_id).decode("utf-8", "replace")
+            if text.startswith(spelled, offset):
+                self.chars += len(spelled)
         return offset

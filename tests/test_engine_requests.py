@@ -239,6 +239,20 @@ def test_stop_token_as_the_last_allowed_token_finishes_with_stop(engine):
     assert tokens(outs) == greedy and outs[-1].finish_reason == "stop"
 
 
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(engine, tokenizer):
+    prompt = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    params = dict(max_tokens=3, temperature=0.0, ignore_eos=True)
+    greedy = tokens(run_to_completion(engine, {"a": engine.add_request(prompt, SamplingParams(**params),
+                                                                       request_id="a")})["a"])
+    assert tokenizer.decode(greedy[2:]).strip(), "the stop token must spell something for this test"
+    for include, spelled in ((False, greedy[:2]), (True, greedy)):
+        outs = run_to_completion(engine, {"b": engine.add_request(prompt, SamplingParams(
+            **params, stop_token_ids=[greedy[2]], include_stop_str_in_output=include), request_id="b")})["b"]
+        # The token stays in token_ids (and logprobs); only its text goes, as in vLLM's detokenizer.
+        assert tokens(outs) == greedy and outs[-1].finish_reason == "stop"
+        assert text(outs) == tokenizer.decode(spelled), include
+
+
 def test_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(engine):
     params = dict(temperature=0.0, ignore_eos=True, max_tokens=12)
     full = text(run_to_completion(engine, {"a": engine.add_request([7, 8, 9], SamplingParams(**params),

@@ -233,8 +233,9 @@ def test_echo_with_logprobs_returns_the_prompt_tokens_scored_by_the_model(client
     for j in range(1, len(ids)):
         assert logprobs.token_logprobs[j] == pytest.approx(want[j], abs=1e-3), f"prompt token {j}"
         assert logprobs.tokens[j] == tokenizer.decode([ids[j]])
-    assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6
-               for top, lp in zip(logprobs.top_logprobs[1:], logprobs.token_logprobs[1:]))
+    # The top 2, and the token itself where it is not among them (OpenAI's legacy API: logprobs + 1 at most).
+    assert all(len(top) <= 3 and max(top.values()) >= lp - 1e-6 and top[token] == pytest.approx(lp)
+               for top, lp, token in zip(logprobs.top_logprobs[1:], logprobs.token_logprobs[1:], logprobs.tokens[1:]))
     assert out.choices[0].text == PROMPT + "".join(logprobs.tokens[len(ids):])
     assert "".join(logprobs.tokens) == out.choices[0].text
     assert logprobs.text_offset[len(ids)] == len(PROMPT)
@@ -273,6 +274,40 @@ def test_logprobs_name_tokens_that_split_a_character_by_their_bytes(client, toke
     spelled = codecs.getincrementaldecoder("utf-8")().decode(bytes(b for t in content for b in t.bytes))
     assert spelled == chat.choices[0].message.content  # the whole characters (the answer may end inside one)
     assert all(t.bytes != [239, 191, 189] for t in content)
+
+
+@pytest.mark.server
+def test_echoed_logprobs_hold_the_chosen_token_and_follow_the_echoed_text(client, tokenizer, score):
+    # A sampled token outside the top N is still in its top_logprobs; logprobs 0 names it alone.
+    drawn = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=1, logprobs=1)
+    logprobs = drawn.choices[0].logprobs
+    assert any(top[token] < max(top.values()) for top, token in zip(logprobs.top_logprobs, logprobs.tokens)), \
+        "at temperature 2 some drawn token should not be the most likely one"
+    for top, token, lp in zip(logprobs.top_logprobs, logprobs.tokens, logprobs.token_logprobs):
+        assert len(top) <= 2 and top[token] == pytest.approx(lp)
+    alone = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
+    assert [list(top) for top in alone.choices[0].logprobs.top_logprobs] == \
+        [[token] for token in alone.choices[0].logprobs.tokens]
+    # A special token written in the prompt is echoed as written, and the offsets count its characters.
+    prompt = "x<|im_start|>user\nHi<|im_end|> y"
+    out = client.completions.create(model=FP32, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    logprobs = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(prompt)
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset):
+        assert out.choices[0].text[offset:].startswith(token), (token, offset)
+    assert logprobs.text_offset[len(tokenizer.encode(prompt))] == len(prompt)
+    # truncate_prompt_tokens: the echo is the prompt the engine kept, scored as the engine scored it.
+    ids = tokenizer.encode(PROMPT)
+    kept = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                     extra_body={"truncate_prompt_tokens": 4})
+    assert kept.usage.prompt_tokens == 4 and kept.choices[0].text.startswith(tokenizer.decode(ids[-4:]))
+    assert kept.choices[0].logprobs.token_logprobs[:4] == pytest.approx(score(ids[-4:]), abs=1e-3)
+    # prompt_logprobs as wide as asked, though echoed logprobs asked the engine for more.
+    wide = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=3, echo=True,
+                                     extra_body={"prompt_logprobs": 1})
+    for j, entry in enumerate(wide.choices[0].model_extra["prompt_logprobs"][1:], start=1):
+        assert str(ids[j]) in entry and len(entry) <= 2 and all(e["rank"] <= 1 or k == str(ids[j])
+                                                                for k, e in entry.items())
 
 
 @pytest.mark.server
