@@ -32,7 +32,7 @@ class SamplingParams:
         min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
         temperature: 0 means greedy, and so does anything below ``GREEDY_TEMPERATURE`` (1e-5, as vLLM),
             where dividing the logits by it could overflow; otherwise logits are divided by it.
-        top_k: keep the k most likely tokens; -1 keeps all.
+        top_k: keep the k most likely tokens; -1 or 0 keeps all (0 is taken as -1, as vLLM takes both).
         top_p: keep the smallest set of tokens whose probability sums to top_p (nucleus, Holtzman et al. 2020).
         min_p: drop tokens less likely than min_p times the most likely one.
         repetition_penalty: divides positive (multiplies negative) logits of tokens already in prompt or
@@ -111,8 +111,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _float("temperature", self.temperature, low=0.0)
         _int("top_k", self.top_k, low=-1)
-        if self.top_k == 0:
-            raise ValueError("top_k must be -1 (off) or a positive integer, got 0")
+        if self.top_k == 0:  # vLLM 0.32's default and its "off", beside -1
+            self.top_k = -1
         _float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _float("min_p", self.min_p, low=0.0, high=1.0)
         _float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)

@@ -158,7 +158,7 @@ def test_bad_request_fails_alone_with_clear_error(make_engine, tiny_model_dir, p
     ("temperature", -0.5, r"temperature must be in \[0"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
-    ("top_k", 0, "top_k must be -1"),
+    ("top_k", -2, r"top_k must be in \[-1"),
     ("top_k", 2.5, "top_k must be an integer"),
     ("max_tokens", 0, r"max_tokens must be in \[1"),
     ("max_tokens", -3, r"max_tokens must be in \[1"),
