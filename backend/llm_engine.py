@@ -41,7 +41,7 @@ from backend.engine_core import CoreSnapshot, EngineCore
 from backend.errors import EngineDeadError, EngineUnavailableError
 from backend.model_loader import load_model
 from backend.model_runner import kv_bytes_per_block, kv_shape
-from backend.model_support import inspect_attention, max_positions
+from backend.model_support import default_max_model_len, inspect_attention, max_positions
 from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.parallel_sampling import ParentRequest
@@ -52,7 +52,6 @@ from backend.structured_output import Grammar, GrammarCompiler, SchemaLimits
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_FRACTION = 0.2  # of available memory (backend.host_memory), when the KV cache size is not given
 CPU_KV_CAP_BYTES = 4 << 30
 GPU_KV_FRACTION = 0.8  # of free device memory after loading the model
@@ -110,8 +109,9 @@ class LLMEngine:
         positions = max_positions(model.config)
         if config.max_model_len and positions and config.max_model_len > positions:
             raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's {positions} positions "
-                             f"(max_position_embeddings and its rotary scaling); past them its outputs are undefined")
-        self.max_model_len = config.max_model_len or min(positions or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+                             f"(max_position_embeddings and its rotary scaling); past them its outputs are undefined. "
+                             f"Set max_model_len to at most {positions}, or to \"\" for the model's own")
+        self.max_model_len = config.max_model_len or default_max_model_len(model.config)
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)

@@ -110,6 +110,16 @@ def max_positions(config) -> int | None:
     return limit
 
 
+MAX_MODEL_LEN_CAP = 8192  # the default max_model_len never exceeds this: the KV one sequence may hold
+
+
+def default_max_model_len(config) -> int:
+    """``max_model_len`` where none is set: the model's positions (:func:`max_positions`), capped at
+    :data:`MAX_MODEL_LEN_CAP` (and that cap for a model that declares none). The engine, the OpenAI frontend's
+    bounds and the benchmark's peers all take it from here."""
+    return min(max_positions(config) or MAX_MODEL_LEN_CAP, MAX_MODEL_LEN_CAP)
+
+
 def inspect_attention(model: torch.nn.Module) -> ModelAttention:
     """Runs one 2-token forward pass of ``model`` with a recording attention function and returns what each
     layer asked for; the model's attention implementation is restored afterwards.

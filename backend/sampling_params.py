@@ -161,8 +161,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
-    def from_dict(cls, values: dict[str, object]) -> "SamplingParams":
+    def from_dict(cls, values: dict[str, object], also_known: tuple[str, ...] = ()) -> "SamplingParams":
         """Builds params from a JSON-like dict (the Triton `sampling_parameters` input).
+
+        Args:
+            also_known: names the caller took out of ``values`` before (request-level settings), listed among
+                the known ones in the error for an unknown key.
 
         Raises:
             ValueError: an unknown key, or any invalid value.
@@ -172,7 +176,8 @@ class SamplingParams:
         if unknown:
             names = ", ".join(unknown)
             names = names if len(names) <= 200 else f"{names[:200]}..."
-            raise ValueError(f"unknown sampling parameter(s) {names}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown sampling parameter(s) {names}; known: "
+                             f"{', '.join(sorted(known | set(also_known)))}")
         return cls(**values)
 
 

@@ -152,10 +152,9 @@ def max_model_len(model_dir: str) -> int:
     """The engine's default for this model (its limit, capped as the engine caps it), given to vLLM too."""
     from transformers import AutoConfig
 
-    from backend.llm_engine import DEFAULT_MAX_MODEL_LEN
+    from backend.model_support import default_max_model_len
 
-    limit = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
-    return min(limit, DEFAULT_MAX_MODEL_LEN)
+    return default_max_model_len(AutoConfig.from_pretrained(model_dir))
 
 
 def _one_line(exc: Exception) -> str:

@@ -36,7 +36,6 @@ from openai_frontend.errors import OpenAIError
 log = logging.getLogger("openai_frontend")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
-DEFAULT_MAX_MODEL_LEN = 8192  # the engine's cap when the model sets none (backend.llm_engine)
 
 
 @dataclass
@@ -207,9 +206,8 @@ def _max_token_bytes(tokenizer) -> int:
 
 def max_model_len(repository: Path, name: str, version: str) -> int:
     """The ``max_model_len`` a model version runs with, as its engine reads it: ``<version>/engine.json``
-    over config.pbtxt's parameter (version "" = the newest version directory); 8192, the engine's cap, when
-    neither sets it (a model whose own context is shorter is then bounded more loosely here than by its
-    engine, never more tightly)."""
+    over config.pbtxt's parameter (version "" = the newest version directory); where neither sets it, the
+    model's own, as the engine derives it (``backend.model_support.default_max_model_len``)."""
     directory = repository / name
     value = None
     config = directory / "config.pbtxt"
@@ -223,6 +221,20 @@ def max_model_len(repository: Path, name: str, version: str) -> int:
     if version and engine.exists():
         value = json.loads(engine.read_text()).get("max_model_len", value)
     try:
-        return int(value) if value not in (None, "") else DEFAULT_MAX_MODEL_LEN
+        if value not in (None, ""):
+            return int(value)
     except (TypeError, ValueError):
-        return DEFAULT_MAX_MODEL_LEN
+        pass  # the engine refused to load such a value: no request reaches this model
+    from openai_frontend.models import model_source
+
+    return _model_default_len(model_source(repository, name, version))
+
+
+@lru_cache(maxsize=16)
+def _model_default_len(source: str) -> int:
+    from transformers import AutoConfig
+
+    from backend.model_loader import resolve_model_dir
+    from backend.model_support import default_max_model_len
+
+    return default_max_model_len(AutoConfig.from_pretrained(resolve_model_dir(source or None)))

@@ -45,10 +45,10 @@ async def resolve(triton: TritonLLM, model_id: str) -> tuple[str, str]:
 def tokenizer_for(repository: Path, tokenizer: str | None, name: str, version: str):
     """The tokenizer of a model version: ``tokenizer`` (one for every model) if given, else the model's own
     (loaded once, cached; the first load takes seconds: call it off the event loop)."""
-    return _load_tokenizer(tokenizer or _model_source(repository, name, version))
+    return _load_tokenizer(tokenizer or model_source(repository, name, version))
 
 
-def _model_source(repository: Path, name: str, version: str) -> str:
+def model_source(repository: Path, name: str, version: str) -> str:
     """The model a version serves, as its engine reads it: config.pbtxt's ``model`` parameter, then
     ``<version>/engine.json`` (version "" = the newest version directory); "" is the default model."""
     directory = repository / name

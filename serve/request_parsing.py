@@ -48,6 +48,10 @@ STRUCTURED_OUTPUTS_NAMES = ("structured_outputs", "guided_decoding")
 TRTLLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 # Limits checked before parsing (cheap checks before expensive work).
+# What sampling_parameters (or the request's parameters) may hold besides SamplingParams' own fields: taken out
+# before it is built, so named here for the error that lists the known keys.
+REQUEST_LEVEL_NAMES = (*FLAG_INPUTS, *SCHEDULING_INPUTS, *STRING_SETTINGS, *STRUCTURED_OUTPUTS_NAMES, *TRTLLM_INPUTS,
+                       *TRTLLM_LIST_INPUTS, "best_of", "top_logprobs")
 MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
@@ -166,7 +170,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     if "return_cumulative_logprob" in returns and not logprobs_asked:
         values["logprobs"] = 0
     try:
-        params = SamplingParams.from_dict(values)
+        params = SamplingParams.from_dict(values, REQUEST_LEVEL_NAMES)
     except ValueError as exc:
         message = str(exc)
         for alias, canonical in aliases.items():  # name the field the client sent

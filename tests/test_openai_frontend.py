@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 import time
 
 import openai
@@ -458,3 +459,19 @@ def test_chat_logprobs_leave_out_the_end_of_turn_token(client):
     content = out.choices[0].logprobs.content
     assert "".join(t.token for t in content) == out.choices[0].message.content
     assert len(content) == out.usage.completion_tokens - 1  # the end-of-turn token is counted, not listed
+
+
+def test_max_model_len_is_the_engines_for_each_version(tiny_model_dir, tmp_path):
+    """The bound the frontend answers (/tokenize, the render routes) is the one the model's engine runs with:
+    engine.json over config.pbtxt, and where neither sets it the model's own positions (1024 here), not a cap."""
+    from openai_frontend.app import DEFAULT_MODEL_REPOSITORY
+    from openai_frontend.limits import max_model_len
+
+    config = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    served = int(re.search(r'key: "max_model_len" value: \{ string_value: "(\d+)"', config)[1])
+    assert max_model_len(DEFAULT_MODEL_REPOSITORY, "llm", "2") == served
+    (tmp_path / "tiny" / "1").mkdir(parents=True)
+    (tmp_path / "tiny" / "1" / "engine.json").write_text(json.dumps({"model": tiny_model_dir, "max_model_len": ""}))
+    assert max_model_len(tmp_path, "tiny", "1") == 1024
+    (tmp_path / "tiny" / "1" / "engine.json").write_text(json.dumps({"model": tiny_model_dir, "max_model_len": 512}))
+    assert max_model_len(tmp_path, "tiny", "1") == 512

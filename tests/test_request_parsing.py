@@ -179,3 +179,15 @@ def test_cache_salt_and_prompt_token_ids_are_read():
         parse_request({**inputs("hi"), "input_ids": ids}, {})
     with pytest.raises(ValueError, match="exactly one"):
         parse_request({}, {})
+
+
+def test_an_unknown_sampling_parameter_lists_every_key_that_would_have_been_taken():
+    with pytest.raises(ValueError, match="unknown sampling parameter") as unknown:
+        parse_request(inputs(sampling_parameters=json.dumps({"bogus": 1})), {})
+    known = set(str(unknown.value).split("known: ")[1].split(", "))
+    accepted = {"priority": 1, "timeout_ms": 5, "cache_salt": "s", "fairness_key": "k", "best_of": 1,
+                "exclude_input_in_output": True, "guided_decoding": {"regex": "a"}, "runtime_top_k": 2,
+                "temperature": 0.5}
+    for name, value in accepted.items():
+        parse_request(inputs(sampling_parameters=json.dumps({name: value})), {})  # each is taken ...
+        assert name in known, name  # ... and so listed
