@@ -177,9 +177,9 @@ def markdown(report: dict) -> str:
         f"count from then; the serving systems only). "
         f"Mean decode context {w['mean_decode_context_tokens']:g} tokens.",
         f"Machine: {m['cpu_model']} ({features_text(m)}; L3 {m.get('l3_cache') or 'unknown'}), "
-        f"{m['usable_cpus']} usable CPUs, torch threads {m['torch_threads']} for every "
+        f"{m['usable_cpus']} usable CPUs, {m.get('memory_gib')} GiB, torch threads {m['torch_threads']} for every "
         f"system, torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; model "
-        f"{model_name(c)}, {c.get('dtype', 'auto')} (auto = bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Load average (1/5/15 min) at start "
+        f"{model_name(c)}, {dtype_text(c)}. Load average (1/5/15 min) at start "
         f"{m['loadavg_at_start']}, at end {m.get('loadavg_at_end')}; above {m['usable_cpus']} means other processes "
         f"competed for the CPU.",
         "",
@@ -253,11 +253,17 @@ def model_name(config: dict) -> str:
     return config["model"] or "SmolLM2-135M-Instruct (default)"
 
 
+def dtype_text(config: dict) -> str:
+    """The run's dtype: ``auto`` with what it meant on the machine (bf16 with AVX512-BF16 or AMX, else fp32)."""
+    dtype, resolved = config.get("dtype", "auto"), config.get("dtype_resolved")
+    return f"auto ({resolved} here)" if dtype == "auto" and resolved else dtype
+
+
 def page_markdown(report: dict) -> str:
     """The summary docs/performance.md shows of a run (``benchmarks.docs_page``): tokens/s by round with their
     spread, the ratios to the peers round by round, latencies where a mode has them, and the checks."""
     w, c = report["workload"], report["config"]
-    lines = [f"Model {model_name(c)}, {c.get('dtype', 'auto')}, "
+    lines = [f"Model {model_name(c)}, {dtype_text(c)}, "
              f"{report['machine'].get('torch_threads')} threads; {w['num_requests']} requests "
              f"({w['total_output_tokens']} output tokens, `ignore_eos`).", "", *spread_table(report)]
     if report.get("limits"):

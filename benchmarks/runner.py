@@ -92,7 +92,10 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     if "ceiling" in config.systems and not any(r["system"] == "ceiling" for r in runs):
         runs += _ceilings(config, model_dir, tokenizer, workload, runs)
 
-    report = build_report(config.as_dict(), machine, workload.summary(), runs, skipped)
+    from backend.config import resolve_dtype
+
+    settings = {**config.as_dict(), "dtype_resolved": resolve_dtype(config.dtype, "cpu")}  # what "auto" was here
+    report = build_report(settings, machine, workload.summary(), runs, skipped)
     if limits is not None:
         report["limits"] = limits
     if "prefix_cache" in config.systems:
