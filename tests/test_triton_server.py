@@ -312,10 +312,10 @@ def test_metrics_match_what_the_requests_did(client, triton_server):
 
 def test_client_raises_the_server_error(client):
     """The server's message itself, over each protocol (HTTP streaming sends it as one server-sent event)."""
-    expected = "top_k must be -1 (off) or a positive integer, got 0"
+    expected = "top_p must be in (0, 1], got 1.5"
     for call in (client.stream_grpc, client.stream_http, client.generate):
         with pytest.raises(LLMError) as raised:
-            result = call("hi", top_k=0)
+            result = call("hi", top_p=1.5)
             list(result) if call is not client.generate else None
         assert str(raised.value) == expected, call
 
