@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.fan_in import Completion, FanIn
@@ -92,8 +92,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method, ...
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(OpenAIError(exc.status_code, str(exc.detail), code).body(), status_code=exc.status_code,
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":  # Starlette's words
+            message = "the body could not be read as JSON: it is not valid UTF-8, or it nests too deeply"
+        return JSONResponse(OpenAIError(exc.status_code, message, code).body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -464,13 +467,22 @@ def _top(alternatives: dict[str, dict], top_n: int, sampled: int | None = None) 
 
 async def _respond(view: _View, events: AsyncIterator[tuple[int, Delta]], stream: bool | None,
                    include_usage: bool, request: Request):
+    async def first_delta():
+        try:
+            return await events.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    # A request may wait long for its first token (queued behind others, a long prefill, a grammar compile): a
+    # client that leaves meanwhile cancels it there, so that no dead request keeps a place in the queue.
     try:
-        first = await events.__anext__()
-    except StopAsyncIteration:
-        first = None
+        first = await _unless_disconnected(request, first_delta())
     except OpenAIError:
         await events.aclose()
         raise
+    if isinstance(first, Response):  # the client left first
+        await events.aclose()
+        return first
     if stream:
         return _SSEResponse(_sse(view, first, events, include_usage), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
@@ -597,8 +609,9 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _unless_disconnected(request: Request, work) -> dict:
-    """Runs ``work``; a client that disconnects first cancels it (and with it the Triton requests)."""
+async def _unless_disconnected(request: Request, work):
+    """Runs ``work`` and returns its result; a client that disconnects first cancels it (and with it the Triton
+    requests), and a 499 response comes back instead."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -612,6 +625,8 @@ async def _unless_disconnected(request: Request, work) -> dict:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if not task.done() or task.cancelled():
+            # Wait for the cancelled work to unwind (an iterator it was reading is closed by then).
+            await asyncio.wait([task])
+    if task.cancelled():
         return JSONResponse({}, status_code=499)
     return task.result()

@@ -337,3 +337,9 @@ def test_a_body_that_is_not_json_is_a_400_that_says_why(frontend):
     assert form.status_code == 400
     assert form.json()["error"]["message"] == ("the body must be a JSON object sent with Content-Type: "
                                                "application/json (got application/x-www-form-urlencoded)")
+    for body in (b'{"model": "llm", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):  # not UTF-8; too deep
+        response = requests.post(f"{frontend}/v1/completions", data=body,
+                                 headers={**AUTH, "Content-Type": "application/json"}, timeout=10)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "invalid_request"
+        assert "not valid UTF-8, or it nests too deeply" in response.json()["error"]["message"]

@@ -380,6 +380,30 @@ def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_it(frontend,
     assert triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2") == aborts + 1
 
 
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_leaves_before_the_first_token_cancels_the_request_there(frontend, triton_server, tokenizer,
+                                                                              stream):
+    """A prompt of two prefill steps (2048 tokens each): the client leaves during the first, and the request is
+    aborted at the step boundary, before any token is generated (not after its first token, as it was)."""
+    def counters():
+        return (triton_server.metric("llm_request_finished_total", finish_reason="abort", version="2"),
+                triton_server.metric("llm_generation_tokens_total", version="2"))
+
+    aborts, generated = settled(counters)
+    prompt = f"{'Streamed' if stream else 'Whole'}: " + "The history of every river, " * 2000  # no prefix-cache hit
+    ids = tokenizer.encode(prompt)[:4000]
+    body = {"model": "llm", "prompt": ids, "max_tokens": 50, "ignore_eos": True, "stream": stream}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{frontend}/v1/completions", json=body, timeout=(5, 0.3))
+    deadline = time.monotonic() + 60  # the abort lands when the first prefill step ends (seconds on 2 cores)
+    while counters()[0] == aborts:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.2)
+    assert settled(counters) == (aborts + 1, generated)
+    wait_idle(triton_server)
+
+
 def test_chat_template_override_replaces_the_tokenizers(tokenizer):
     from openai_frontend.chat_template import render_chat
     from openai_frontend.protocol import ChatCompletionRequest
