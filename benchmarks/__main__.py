@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from benchmarks.config import LLAMACPP_QUANTS, MODES, QUICK, SYSTEMS, BenchConfig
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     config = parse_args(argv)
+    if argv is None:  # run as a program (not called by a test): the in-process systems get the served allocator
+        _preload_allocator(sys.argv[1:])
     if not config.progress:
         from transformers.utils import logging as transformers_logging
 
@@ -101,6 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     print("written:", ", ".join(report["files"]))
     return 0
+
+
+MALLOC_ENV = "LLM_BENCH_MALLOC"  # the allocator of this process's in-process systems, in words (the report's)
+PRELOAD_ENV = "LLM_BENCH_PRELOAD"  # the library this process preloaded for them, which peers must not inherit
+
+
+def _preload_allocator(args: list[str]) -> None:
+    """Runs ``python -m benchmarks`` again with the allocator the served engine gets (``serve.allocator``:
+    tcmalloc where installed; ``LLM_MALLOC=system`` keeps glibc's), once, so that the in-process engine is
+    measured as served. Peers started from here leave it out (``serve.allocator.without``)."""
+    if MALLOC_ENV in os.environ:
+        return
+    from serve import allocator
+
+    env, malloc = allocator.preload(dict(os.environ), os.environ.get("LLM_MALLOC", "auto"))
+    env[MALLOC_ENV] = malloc
+    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+        os.environ[MALLOC_ENV] = malloc
+        return
+    env[PRELOAD_ENV] = allocator.tcmalloc_path() or ""
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *args], env)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from benchmarks.config import LLAMACPP_QUANTS, BenchConfig
 from benchmarks.records import RequestRecord, SystemRun
+from serve import allocator
 from benchmarks.workload import BenchRequest, Workload
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,9 @@ class LlamaCppSystem:
         command = server_command(self.bin_dir, self.gguf, self.config, self.kv_type, slots, self.slot_len, port)
         self.log_path = self.workdir / f"llama-server-{slots}.log"
         with open(self.log_path, "w") as server_log:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT,
+            # As a llama.cpp user runs it: without the allocator this process preloaded for our engine.
+            env = allocator.without(dict(os.environ), os.environ.get("LLM_BENCH_PRELOAD"))
+            self.process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env,
                                             stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -179,7 +179,8 @@ def markdown(report: dict) -> str:
         f"Machine: {m['cpu_model']} ({features_text(m)}; L3 {m.get('l3_cache') or 'unknown'}), "
         f"{m['usable_cpus']} usable CPUs, {m.get('memory_gib')} GiB, torch threads {m['torch_threads']} for every "
         f"system, torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; model "
-        f"{model_name(c)}, {dtype_text(c)}. Load average (1/5/15 min) at start "
+        f"{model_name(c)}, {dtype_text(c)}; our in-process engine on {c.get('engine_malloc', 'glibc malloc')}. "
+        f"Load average (1/5/15 min) at start "
         f"{m['loadavg_at_start']}, at end {m.get('loadavg_at_end')}; above {m['usable_cpus']} means other processes "
         f"competed for the CPU.",
         "",
@@ -263,9 +264,10 @@ def page_markdown(report: dict) -> str:
     """The summary docs/performance.md shows of a run (``benchmarks.docs_page``): tokens/s by round with their
     spread, the ratios to the peers round by round, latencies where a mode has them, and the checks."""
     w, c = report["workload"], report["config"]
+    malloc = f"; ours in process on {c['engine_malloc']}" if c.get("engine_malloc") else ""
     lines = [f"Model {model_name(c)}, {dtype_text(c)}, "
              f"{report['machine'].get('torch_threads')} threads; {w['num_requests']} requests "
-             f"({w['total_output_tokens']} output tokens, `ignore_eos`).", "", *spread_table(report)]
+             f"({w['total_output_tokens']} output tokens, `ignore_eos`){malloc}.", "", *spread_table(report)]
     if report.get("limits"):
         from benchmarks.limits import markdown as limits_markdown
 

