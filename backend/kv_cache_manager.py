@@ -95,10 +95,15 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, request: Request, num_cached_tokens: int) -> None:
+        """Counts an admitted request's lookup in :attr:`prefix_cache_queries` and :attr:`prefix_cache_hits`:
+        once, when the scheduler admits it (a request that waits looks up again at every step, and those looks
+        are not counted), and never after a preemption, as vLLM's ``PrefixCacheStats`` counts."""
+        if self.enable_prefix_caching and request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Registers the request's blocks that ``num_tokens`` tokens fill, so later requests can reuse them.

@@ -210,6 +210,8 @@ class Scheduler:
             request.num_computed_tokens += num_cached
             if request.num_preemptions == 0 and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
+            if not request.wants_prompt_logprobs:  # those read nothing from the cache
+                self.kv.record_prefix_lookup(request, num_cached)
             self.waiting.popleft()
             self._left_waiting(request)
             self._virtual_time = max(self._virtual_time, request.fair_start)

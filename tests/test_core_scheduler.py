@@ -152,6 +152,28 @@ def test_max_num_seqs_keeps_later_requests_waiting():
     sim.run()
 
 
+def test_prefix_cache_counters_count_each_request_once_when_admitted():
+    """A request held back by the step time budget is looked up in the cache at every step it waits; only the
+    look that admits it counts (vLLM's PrefixCacheStats), so queries are the prompts served, hits their hits."""
+    sim = CoreSim(num_blocks=512, block_size=4, max_step_ms=20)
+    prompts = {f"d{i}": tokens(i, 4) for i in range(5)}
+    for name, prompt in prompts.items():
+        sim.add_prompt(name, prompt, max_tokens=30)
+    sim.step()  # untimed: all five admitted; then each step leaves prefill work of 8 units beside their decodes
+    shared = tokens(100, 8)  # two full blocks every later prompt finds cached once the first has run
+    for i in range(12):
+        prompts[f"p{i}"] = shared + [200 + i]
+        sim.add_prompt(f"p{i}", prompts[f"p{i}"], max_tokens=1)
+    waited = 0
+    while sim.scheduler.waiting:
+        sim.step()
+        waited += 1
+    assert waited >= 3  # the later prompts waited, and were looked up, step after step
+    sim.run()
+    assert sim.kv.prefix_cache_queries == sum(len(p) for p in prompts.values())
+    assert sim.kv.prefix_cache_hits == 8 * 11  # every p prompt but the first found the shared blocks
+
+
 def test_preempted_request_is_requeued_ahead_of_its_equals():
     # 4 blocks of 4 tokens: two 7-token prompts fill them; the first decode that needs a 3rd block preempts.
     sim = CoreSim(num_blocks=4, block_size=4)
