@@ -6,6 +6,13 @@ Callers map both to "try again elsewhere or later" (Triton's UNAVAILABLE, HTTP 5
 
 from __future__ import annotations
 
+# How every EngineUnavailableError's message begins. A caller that sees only the text (the OpenAI frontend reads
+# Triton's gRPC stream, which carries an error's message but not its code) matches these at the start and nothing
+# else: a bad request's message may quote anything its client sent (a schema's property names, stop strings).
+# tests/test_errors.py checks every place that raises one.
+UNAVAILABLE_MESSAGE_STARTS = ("server is full:", "server is shutting down", "the engine is shutting down",
+                              "engine is dead", "the grammar compile")
+
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot take this request now; a valid request, refused before anything was queued."""

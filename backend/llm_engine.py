@@ -253,7 +253,7 @@ class LLMEngine:
             raise EngineDeadError(self._dead)
         thread = self._thread
         if thread is not None and not thread.is_alive() and not self._stopping:
-            raise EngineDeadError("engine loop thread died")
+            raise EngineDeadError("engine is dead: its loop thread died")
 
     def request_ids(self) -> list[str]:
         """The ids of the requests in flight (as given to ``add_request``), waiting or running."""

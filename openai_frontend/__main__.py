@@ -15,7 +15,9 @@ from openai_frontend.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of Triton's llm model.")
+    # No abbreviations: "--trust" must not quietly mean --trust-request-chat-template.
+    parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of Triton's llm model.",
+                                     allow_abbrev=False)
     parser.add_argument("--host", default=os.environ.get("OPENAI_HOST", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
     parser.add_argument("--triton-url", default=os.environ.get("TRITON_GRPC_URL", "localhost:8001"),

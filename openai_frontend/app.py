@@ -121,7 +121,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def health():
         if await triton.ready():
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # health checkers using HEAD
 
@@ -383,9 +383,12 @@ class _View:
             if choice.text_offsets is None:
                 choice.text_offsets = self.token_bytes.offsets()
             # The echoed prompt spells its special tokens (it is echoed as sent); the generated text does not
-            # where skip_special_tokens holds.
-            offsets = [choice.text_offsets.next(e[0], choice.echoed if i < len(echoed) else None)
-                       for i, e in enumerate(entries)]
+            # where skip_special_tokens holds. The two are decoded apart (a prompt that ends inside a character
+            # ends in U+FFFD), so the generated tokens' offsets start afresh at the end of the echoed text.
+            offsets = [choice.text_offsets.next(e[0], choice.echoed) for e in echoed]
+            if echoed:
+                choice.text_offsets.restart(len(choice.echoed))
+            offsets += [choice.text_offsets.next(e[0]) for e in entries[len(echoed):]]
             choice.logprobs.extend(entries)
             choice.offsets.extend(offsets)
             new_logprobs = self.logprobs(entries, offsets)

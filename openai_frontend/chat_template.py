@@ -22,7 +22,8 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     Raises:
         OpenAIError: 400 for a request's ``chat_template`` that is not trusted, or a template that fails.
     """
-    if body.chat_template is not None and not trust_request_template:
+    if (body.chat_template is not None or "chat_template" in (body.chat_template_kwargs or {})) \
+            and not trust_request_template:
         raise OpenAIError(400, "chat_template: a request may not bring its own chat template here (it would run "
                                "as code in the server); the operator allows it with --trust-request-chat-template",
                           "invalid_request", "chat_template")

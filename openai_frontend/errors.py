@@ -1,20 +1,23 @@
 """OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``) and the status of Triton's errors.
 
-Triton's gRPC stream carries an error's message but not its code, so the status is read from the message:
-an unknown model is 503 (the frontend found the model ready just before: it was unloaded since, by a drain or
-a fault, and a retry elsewhere or later may succeed), an overloaded or unavailable server 503, the model's
-``internal error: ...`` 500, and anything else the model rejected (its validation of the request) 400.
+Triton's gRPC stream carries an error's message but not its code, so the status is read from the message, by
+how it begins (a bad request's message may quote anything its client sent, so nothing is searched for inside
+it): Triton's unknown model is 503 (the frontend found the model ready just before: it was unloaded since, by a
+drain or a fault, and a retry elsewhere or later may succeed), the engine's refusals of a valid request
+(``backend.errors.UNAVAILABLE_MESSAGE_STARTS``: full, draining, dead) 503, the model's ``internal error: ...``
+500, and anything else the model rejected (its validation of the request) 400.
 """
 
 from __future__ import annotations
 
 import re
 
+from backend.errors import UNAVAILABLE_MESSAGE_STARTS
+
 TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "internal_server_error",
          503: "service_unavailable"}
-_NOT_FOUND = re.compile(r"unknown model|model .* is not found|is not (found|ready)", re.I)
-_UNAVAILABLE = re.compile(r"unavailable|overload|too many|queue is full|server is (busy|full|draining)|"
-                          r"draining|shutting down|try again later|retry|engine loop|engine is dead", re.I)
+_NOT_READY = re.compile(r"Request for unknown model\b")  # Triton's own words; matched at the start
+_UNAVAILABLE = re.compile("|".join(re.escape(start) for start in UNAVAILABLE_MESSAGE_STARTS))
 
 
 class OpenAIError(Exception):
@@ -31,10 +34,10 @@ class OpenAIError(Exception):
 
 def error_from_triton(message: str) -> OpenAIError:
     """The OpenAIError for an error message that Triton or the model sent on the stream."""
-    if _NOT_FOUND.search(message):
+    if _NOT_READY.match(message):
         return OpenAIError(503, message, "model_not_ready", "model")
-    if _UNAVAILABLE.search(message):
+    if _UNAVAILABLE.match(message):
         return OpenAIError(503, message, "service_unavailable")
-    if message.startswith("internal error") or "failed" in message.lower() and "generation" in message.lower():
+    if message.startswith(("internal error", "generation failed")):
         return OpenAIError(500, message, "internal_error")
     return OpenAIError(400, message, "invalid_request")

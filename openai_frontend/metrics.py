@@ -104,13 +104,15 @@ class FrontendMetrics:
     async def measure(self, model: str, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
         """Passes one request's deltas through, observing each completion (by ``Delta.index``) on the way.
 
-        A completion that ends without a finish reason (the client went away, or Triton failed the request)
-        counts as ``abort`` when it had started, and is not counted otherwise (vLLM counts finished requests).
+        A completion that ends without a finish reason counts, when it had started, as ``error`` where Triton or
+        the model failed the request (the stream raised) and as ``abort`` where the client went away (the stream
+        was closed); one that had not started is not counted (vLLM counts finished requests).
         """
         start = time.monotonic()
         last: dict[int, float] = {}  # completion index -> time of its last response with tokens
         finished: set[int] = set()
         prompt_counted = False
+        ended = "abort"  # how started completions without a finish reason ended: closed by the caller, unless
         try:
             async for delta in deltas:
                 now = time.monotonic()
@@ -133,9 +135,12 @@ class FrontendMetrics:
                     self.e2e.labels(model).observe(now - start)
                     self.success.labels(model, delta.finish_reason).inc()
                 yield delta
+        except Exception:
+            ended = "error"  # Triton or the model failed the request (GeneratorExit, a close, is not an Exception)
+            raise
         finally:
             for index in last.keys() - finished:
-                self.success.labels(model, "abort").inc()
+                self.success.labels(model, ended).inc()
 
 
 def install(app: FastAPI, triton: TritonLLM, triton_metrics_url: str | None) -> FrontendMetrics:

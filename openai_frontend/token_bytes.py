@@ -98,6 +98,11 @@ class TextOffsets:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.chars = 0
 
+    def restart(self, chars: int) -> None:
+        """Continues from character ``chars`` with no partial character pending (a text decoded apart)."""
+        self.decoder.reset()
+        self.chars = chars
+
     def next(self, token_id: int, text: str | None = None) -> int:
         """The offset of this token; advances past it. ``text``: the echoed prompt this token is part of, which
         spells special tokens where they were written (a special token counts its characters where ``text`` holds

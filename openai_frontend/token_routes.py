@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError
 from openai_frontend.limits import json_response, max_model_len, render_token_ids
-from openai_frontend.models import model_ids, resolve, tokenizer_for
+from openai_frontend.models import resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest
 from openai_frontend.tool_calls import ToolChoice
 from openai_frontend.triton_stream import TritonLLM
@@ -57,8 +57,7 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in await model_ids(triton):
-            raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model_not_found", "model")
+        await resolve(triton, model_id)  # 404 for a model not served, 503 for one not ready
         return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "triton"}
 
     @router.post("/tokenize")

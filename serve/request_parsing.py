@@ -304,7 +304,10 @@ def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
             if value < 0:
                 raise ValueError(f"random_seed must be >= 0, got {value}")
             value &= 2**63 - 1
-        if values.get(canonical) is not None and values[canonical] != value:
+        sent = values.get(canonical)
+        if canonical == "top_k" and sent == 0:  # 0 and -1 both mean off (SamplingParams takes 0 as -1)
+            sent = -1
+        if sent is not None and sent != value:
             raise ValueError(f"{alias} ({value!r}) and {canonical} ({values[canonical]!r}) disagree; send one")
         values[canonical] = value
         aliases[alias] = canonical

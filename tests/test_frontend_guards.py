@@ -56,7 +56,8 @@ def test_right_key_passes_and_health_and_metrics_paths_stay_open(frontend):
                             timeout=30).status_code == 503
     assert requests.get(f"{frontend}/v1/models", headers={"Authorization": f"Bearer {KEY.upper()}"},
                         timeout=30).status_code == 401
-    assert requests.get(f"{frontend}/health", timeout=30).status_code == 503  # open: Triton is down
+    down = requests.get(f"{frontend}/health", timeout=30)
+    assert down.status_code == 503 and down.headers["retry-after"] == "1"  # open: Triton is down
     assert requests.head(f"{frontend}/health", timeout=30).status_code == 503  # health checkers that use HEAD
     assert requests.get(f"{frontend}/metrics", timeout=10).status_code != 401
 

@@ -60,6 +60,28 @@ def test_a_completion_cut_short_counts_as_abort():
     assert got.get(("vllm:e2e_request_latency_seconds_count", (("model_name", "llm"),)), 0) == 0
 
 
+def test_a_completion_that_triton_failed_counts_as_error_not_abort():
+    from openai_frontend.errors import OpenAIError
+
+    async def failing():
+        yield delta(0, 1)
+        yield delta(1, 1)
+        raise OpenAIError(500, "internal error: the forward pass failed", "internal_error")
+
+    async def consume():
+        try:
+            async for _ in metrics.measure("llm", failing()):
+                pass
+        except OpenAIError:
+            pass
+
+    metrics = FrontendMetrics(triton_metrics_url=None)
+    asyncio.run(consume())
+    got = samples(metrics)
+    assert got[("vllm:request_success_total", (("finished_reason", "error"), ("model_name", "llm")))] == 2
+    assert ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", "llm"))) not in got
+
+
 def test_an_unreachable_triton_leaves_the_engine_gauges_out_and_says_so():
     metrics = FrontendMetrics(triton_metrics_url=f"http://127.0.0.1:{free_port()}/metrics")
     got = samples(metrics)

@@ -138,6 +138,8 @@ def test_a_served_model_with_no_version_ready_is_503_with_retry_after(triton_ser
         assert missing.json()["error"]["code"] == "model_not_found"
         ids = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]]
         assert "llm" in ids and "standby" not in ids
+        one = requests.get(f"{url}/v1/models/standby", timeout=60)
+        assert one.status_code == 503 and one.json()["error"]["code"] == "model_not_ready"
 
 
 @pytest.mark.server
@@ -297,6 +299,11 @@ def test_echoed_logprobs_hold_the_chosen_token_and_follow_the_echoed_text(client
     for token, offset in zip(logprobs.tokens, logprobs.text_offset):
         assert out.choices[0].text[offset:].startswith(token), (token, offset)
     assert logprobs.text_offset[len(tokenizer.encode(prompt))] == len(prompt)
+    # A token-id prompt that ends inside a character is echoed with U+FFFD; the generated text is decoded apart.
+    cut = tokenizer.encode("Hi 🌱")[:-1]
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    out = client.completions.create(model=FP32, prompt=cut, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    assert out.choices[0].logprobs.text_offset[len(cut)] == len(tokenizer.decode(cut))
     # truncate_prompt_tokens: the echo is the prompt the engine kept, scored as the engine scored it.
     ids = tokenizer.encode(PROMPT)
     kept = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True,
@@ -419,6 +426,9 @@ def test_chat_template_override_replaces_the_tokenizers(tokenizer):
         render_chat(tokenizer, own, template)
     assert refused.value.status == 400 and refused.value.param == "chat_template"
     assert render_chat(tokenizer, own, template, trust_request_template=True) == "[Name three primary colors.]"
+    smuggled = body.model_copy(update={"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}})
+    with pytest.raises(OpenAIError, match="--trust-request-chat-template"):
+        render_chat(tokenizer, smuggled, template)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -191,3 +191,12 @@ def test_an_unknown_sampling_parameter_lists_every_key_that_would_have_been_take
     for name, value in accepted.items():
         parse_request(inputs(sampling_parameters=json.dumps({name: value})), {})  # each is taken ...
         assert name in known, name  # ... and so listed
+
+
+def test_top_k_and_runtime_top_k_agree_on_off_whether_0_or_minus_1():
+    for top_k, runtime_top_k in ((0, 0), (0, -1), (-1, 0), (5, 5)):
+        sampling = json.dumps({"top_k": top_k, "runtime_top_k": runtime_top_k})
+        parsed = parse_request(inputs(sampling_parameters=sampling), {})
+        assert parsed.params.top_k == (5 if top_k == 5 else -1)
+    with pytest.raises(ValueError, match="disagree"):
+        parse_request(inputs(sampling_parameters=json.dumps({"top_k": 3, "runtime_top_k": 0})), {})

@@ -301,7 +301,7 @@ class TritonPythonModel:
         if out.metrics is not None:
             self.metrics.observe_finished(out.metrics)
         if out.finish_reason == "error":
-            _send_error(state.sender, out.error or "generation failed", pb_utils.TritonError.INTERNAL)
+            _send_error(state.sender, f"internal error: {out.error or 'generation failed'}", pb_utils.TritonError.INTERNAL)
             if not out.done:  # other completions of this request may still stream: stop them
                 self.engine.abort(out.request_id)
                 self.inflight.pop(out.request_id, None)
