@@ -116,11 +116,14 @@ def test_headless_run_streams_cancels_and_leaves_the_server_idle(triton_server, 
         assert stats["TTFT"]["p50"] > 0 and stats["ITL"]["p50"] > 0 and stats["e2e"]["p50"] > 0, (name, stats)
     assert result["locust"]["failure_messages"] == [] and result["locust"]["exceptions"] == []
 
-    # The server saw what the clients did: every cancel (gRPC cancel or HTTP disconnect) aborted a request.
+    # The server saw what the clients did: every request finished once, and a cancel (gRPC cancel or HTTP
+    # disconnect) aborted its request unless the request had finished first (a client reading behind the engine
+    # cancels after its last token was sent: the server counts length, the client a cancel).
     deltas = result["server"]["deltas"]
     completed = sum(s["completed"] for s in protocols.values())
     cancelled = sum(s["cancelled"] for s in protocols.values())
-    assert deltas["finished_length"] == completed and deltas["finished_abort"] == cancelled, deltas
+    assert deltas["finished_length"] + deltas["finished_abort"] == completed + cancelled, deltas
+    assert deltas["finished_length"] >= completed and 0 < deltas["finished_abort"] <= cancelled, deltas
     assert deltas["finished_error"] == 0 and deltas["triton_failure"] == 0, deltas
     assert result["server"]["idle"] and result["server"]["ready"]
 
