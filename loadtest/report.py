@@ -5,6 +5,8 @@ Percentiles are Locust's: it keeps response times rounded (whole ms below 100 ms
 
 from __future__ import annotations
 
+from loadtest.server_metrics import FINISH_REASONS
+
 PROTOCOLS = ("http", "grpc")
 LATENCIES = ("TTFT", "ITL", "TPOT", "e2e")  # ms
 PERCENTILES = (50, 90, 99)
@@ -66,7 +68,7 @@ def _server_lines(result: dict) -> list[str]:
     d, gauges = server["deltas"], server["gauges_after"]
     return ["", "Server (Triton /metrics, change over the run):",
             f"  requests: {d['triton_success']:.0f} succeeded, {d['triton_failure']:.0f} failed (Triton); finished "
-            + ", ".join(f"{r} {d['finished_' + r]:.0f}" for r in ("length", "stop", "abort", "error")),
+            + ", ".join(f"{r} {d['finished_' + r]:.0f}" for r in FINISH_REASONS),
             f"  tokens: {d['prompt_tokens']:.0f} prompt, {d['generation_tokens']:.0f} generated "
             f"({d['generation_tokens'] / result['elapsed_s']:.1f}/s over {result['elapsed_s']:.0f} s); "
             f"preemptions {d['preemptions']:.0f}; prefix cache hits {_share(d)}",

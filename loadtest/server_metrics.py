@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-FINISH_REASONS = ("length", "stop", "abort", "error")
+FINISH_REASONS = ("length", "stop", "abort", "error", "timeout")
 IDLE_GAUGES = ("llm_num_requests_running", "llm_num_requests_waiting", "llm_kv_cache_blocks_used")
 
 

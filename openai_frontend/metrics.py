@@ -71,6 +71,9 @@ class EngineMetricsCollector:
                 yield family
 
 
+FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")  # the engine's (backend.outputs)
+
+
 class FrontendMetrics:
     """The registry behind ``/metrics`` and the per-request measurements (see the module docstring).
 
@@ -96,6 +99,14 @@ class FrontendMetrics:
                                          registry=self.registry)
         if triton_metrics_url:
             self.registry.register(EngineMetricsCollector(triton_metrics_url))
+
+    def declare(self, model: str) -> None:
+        """Creates every series of ``model`` at 0 (each finish reason too, as vLLM does at start), so that a
+        rate over a scrape range that starts after a restart counts the first requests."""
+        for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens):
+            metric.labels(model)
+        for reason in FINISH_REASONS:
+            self.success.labels(model, reason)
 
     def render(self) -> bytes:
         """The Prometheus text page (blocking: reads Triton's page)."""
@@ -147,6 +158,8 @@ def install(app: FastAPI, triton: TritonLLM, triton_metrics_url: str | None) -> 
     """Adds ``GET /metrics`` to ``app`` and measures every request ``triton.generate`` streams (this instance's
     ``generate`` is wrapped, so each route that generates is measured without knowing of it)."""
     metrics = FrontendMetrics(triton_metrics_url)
+    for model in triton.offered():
+        metrics.declare(model)
     generate = triton.generate
 
     def measured(model: str, version: str, prompt: str | list[int], sampling: dict,

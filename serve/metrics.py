@@ -121,7 +121,7 @@ class EngineMetrics:
         self.preemptions = counter("llm_num_preemptions_total", "Requests preempted (recompute)")
         self.prefix_queries = counter("llm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("llm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache")
-        finished = family("llm_request_finished_total", "Finished requests by finish_reason", family.COUNTER)
+        finished = family("llm_request_finished_total", "Finished completions (each of an n > 1 request counts) by finish_reason", family.COUNTER)
         self.finished = {r: _Written(finished.Metric(labels={**labels, "finish_reason": r})) for r in FINISH_REASONS}
 
         def histogram(name, description):

@@ -87,3 +87,13 @@ def test_an_unreachable_triton_leaves_the_engine_gauges_out_and_says_so():
     got = samples(metrics)
     assert got[("llm_frontend_engine_metrics_up", ())] == 0
     assert not any(name.startswith("vllm:num_requests") for name, _ in got)
+
+
+def test_every_finish_reason_of_a_declared_model_starts_at_0():
+    metrics = FrontendMetrics(triton_metrics_url=None)
+    metrics.declare("llm")
+    got = samples(metrics)
+    for reason in ("stop", "length", "abort", "error", "timeout"):
+        assert got[("vllm:request_success_total", (("finished_reason", reason), ("model_name", "llm")))] == 0
+    assert got[("vllm:generation_tokens_total", (("model_name", "llm"),))] == 0
+    assert got[("vllm:time_to_first_token_seconds_count", (("model_name", "llm"),))] == 0

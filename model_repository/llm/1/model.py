@@ -291,6 +291,8 @@ class TritonPythonModel:
     def _send(self, out: RequestOutput) -> None:
         """Sends one (possibly merged) delta, under ``senders_lock``."""
         with self.senders_lock:
+            if out.metrics is not None:  # every finished completion is timed, also after its request was dropped
+                self.metrics.observe_finished(out.metrics)
             state = self.inflight.get(out.request_id)
             if state is not None:
                 self._send_delta(state, out)
@@ -298,10 +300,9 @@ class TritonPythonModel:
     def _send_delta(self, state: _InFlight, out: RequestOutput) -> None:
         if out.done:
             del self.inflight[out.request_id]
-        if out.metrics is not None:
-            self.metrics.observe_finished(out.metrics)
         if out.finish_reason == "error":
-            _send_error(state.sender, f"internal error: {out.error or 'generation failed'}", pb_utils.TritonError.INTERNAL)
+            _send_error(state.sender, f"internal error: {out.error or 'generation failed'}",
+                        pb_utils.TritonError.INTERNAL)
             if not out.done:  # other completions of this request may still stream: stop them
                 self.engine.abort(out.request_id)
                 self.inflight.pop(out.request_id, None)
