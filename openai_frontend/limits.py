@@ -32,6 +32,7 @@ from fastapi.responses import Response
 from backend.prompt_limits import check_prompt_bytes, encode_prompt, max_token_bytes
 from openai_frontend.auth import send_error
 from openai_frontend.errors import OpenAIError
+from openai_frontend.models import model_source
 
 log = logging.getLogger("openai_frontend")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -225,8 +226,6 @@ def max_model_len(repository: Path, name: str, version: str) -> int:
             return int(value)
     except (TypeError, ValueError):
         pass  # the engine refused to load such a value: no request reaches this model
-    from openai_frontend.models import model_source
-
     return _model_default_len(model_source(repository, name, version))
 
 
