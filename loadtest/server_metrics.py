@@ -60,13 +60,20 @@ def is_idle(snapshot: Snapshot) -> bool:
 
 def wait_for_idle(metrics_url: str, timeout_s: float, interval_s: float = 0.5,
                   model: str = "llm") -> tuple[bool, Snapshot, float]:
-    """Polls until the server is idle or ``timeout_s`` passes: (idle, the last snapshot, seconds waited)."""
+    """Polls until the server is idle or ``timeout_s`` passes: (idle, the last snapshot, seconds waited).
+
+    Idle is two scrapes in a row, ``interval_s`` apart, with the idle gauges at 0 and every sample unchanged:
+    the model publishes its metrics every 0.25 s at most, so a single scrape can read gauges that are 0 from
+    before the last requests ran and counters that do not count them yet."""
     start = time.monotonic()
+    previous = None
     while True:
         snapshot = scrape(metrics_url, model)
         waited = time.monotonic() - start
-        if is_idle(snapshot) or waited >= timeout_s:
-            return is_idle(snapshot), snapshot, waited
+        settled = is_idle(snapshot) and previous is not None and previous.samples == snapshot.samples
+        if settled or waited >= timeout_s:
+            return settled, snapshot, waited
+        previous = snapshot
         time.sleep(interval_s)
 
 

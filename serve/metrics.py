@@ -188,13 +188,9 @@ class EngineMetrics:
         if stats == self._last:
             return
         kv = stats.kv
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.blocks_used.set(kv.used_blocks)
-        self.blocks_free.set(kv.free_blocks)
-        self.blocks_total.set(kv.num_blocks)
-        self.usage.set(kv.usage)
         last = self._last
+        # Counters first, gauges after: each write is seen by a scrape at once, and a scraper that reads
+        # "0 running, 0 waiting" (the load test's wait for idle) must also read the counts of what finished.
         self.prompt_tokens.increment(stats.prompt_tokens - (last.prompt_tokens if last else 0))
         self.generation_tokens.increment(stats.generation_tokens - (last.generation_tokens if last else 0))
         self.preemptions.increment(stats.num_preemptions - (last.num_preemptions if last else 0))
@@ -204,8 +200,17 @@ class EngineMetrics:
         self.prefix_hits.increment(kv.prefix_cache_hits - (last.kv.prefix_cache_hits if last else 0))
         for reason, metric in self.finished.items():
             metric.increment(stats.finished.get(reason, 0) - (last.finished.get(reason, 0) if last else 0))
+        if self.vllm is not None:
+            for field, metric in self.vllm_spec.items():
+                metric.increment(getattr(stats, field) - (getattr(last, field) if last else 0))
         self._last = stats
 
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.blocks_used.set(kv.used_blocks)
+        self.blocks_free.set(kv.free_blocks)
+        self.blocks_total.set(kv.num_blocks)
+        self.usage.set(kv.usage)
         for key, value in (("max", kv.num_blocks), ("free", kv.free_blocks), ("used", kv.used_blocks),
                            ("tokens_per", kv.tokens_per_block), ("fraction", kv.usage)):
             self.trt_kv[key].set(value)
@@ -220,8 +225,6 @@ class EngineMetrics:
             self.vllm["vllm:num_requests_waiting"].set(stats.num_waiting)
             self.vllm["vllm:num_requests_running"].set(stats.num_running)
             self.vllm["vllm:kv_cache_usage_perc"].set(kv.usage)
-            for field, metric in self.vllm_spec.items():
-                metric.increment(getattr(stats, field) - (getattr(last, field) if last else 0))
             if self._cache_config is None:  # vLLM's info gauge: the configuration in labels, value 1
                 self._cache_config = self._cache_config_family.Metric(labels={
                     **self._vllm_labels, "block_size": str(kv.tokens_per_block), "num_gpu_blocks": str(kv.num_blocks)})

@@ -83,3 +83,18 @@ def test_speculative_decoding_counters_use_vllm_names_and_count_what_changed():
                     ("vllm:spec_decode_num_accepted_tokens_total", labels, 7),
                     ("vllm:spec_decode_num_drafts_total", labels, 1),
                     ("vllm:spec_decode_num_draft_tokens_total", labels, 4)]
+
+
+def test_counters_are_written_before_the_gauges_that_say_idle():
+    """A scrape sees each write at once: one that reads 0 running and 0 waiting (the load test's wait for idle)
+    must already read the finished requests and their tokens in the counters."""
+    metrics = EngineMetrics(FakePbUtils, "llm", "1")
+    metrics.update(stats())
+    RecordingFamily.writes.clear()
+    metrics.update(stats(num_running=0, num_waiting=0, generation_tokens=19, num_steps=9, finished={"length": 4}))
+    names = [w[0] for w in RecordingFamily.writes]
+    counters = [i for i, w in enumerate(RecordingFamily.writes) if w[2] == "increment"]
+    idle = [names.index(name) for name in ("llm_num_requests_running", "llm_num_requests_waiting",
+                                           "vllm:num_requests_running", "vllm:num_requests_waiting")]
+    assert "llm_request_finished_total" in names and "llm_generation_tokens_total" in names
+    assert max(counters) < min(idle), RecordingFamily.writes
