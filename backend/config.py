@@ -75,9 +75,9 @@ class EngineConfig:
         structured_outputs_max_schema_depth: the deepest nesting of JSON objects/arrays in a schema.
         structured_outputs_max_schema_keywords: the most keywords in a schema (all its subschemas together).
         structured_outputs_compile_timeout: CPU seconds a constraint's grammar may use to compile; past them the
-            request is refused (400) and so is the same constraint later, at once. The compile runs on a worker
-            thread at a lower CPU priority (``backend.structured_output.GrammarCompiler``); the caller waits at
-            most three times this long in wall time (then a 503).
+            request is refused (400) and so is the same constraint later, at once. The compile runs in a worker
+            process at a lower CPU priority, killed at this deadline (``backend.structured_output.GrammarCompiler``);
+            the caller waits at most three times this long in wall time (then a 503).
         quantization: ``none`` (default) keeps the weights in ``dtype``; ``int8`` quantizes the compact decoder's
             linear weights (QKV, O, gate-up, down and the LM head) at load per output channel, symmetric, to int8
             with an fp32 scale per row, and runs them through the C++ kernel ``int8_gemm`` (weight-only, "W8A16":

@@ -4,7 +4,7 @@
 object, a regex, a choice of strings, an EBNF grammar); ``schema_check`` refuses the JSON schema keywords
 (and regex constructs) the grammar would not enforce; ``compiler`` compiles a constraint once per distinct
 constraint, with xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for
-Large Language Models", MLSys 2025), on a worker thread with a deadline while the thread that adds the
+Large Language Models", MLSys 2025), in a worker process killed at its deadline (``compile_worker``) while the thread that adds the
 request waits; ``grammar`` follows one completion's tokens and masks what may come next.
 """
 

@@ -1,27 +1,36 @@
 """Compiles structured-output constraints into grammars, once per distinct constraint (an LRU cache), each
-compile on a worker thread with a deadline."""
+compile in a worker process with a deadline (``compile_worker``), killed when it passes it."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from backend.background import lower_this_thread_priority
+from backend.background import BACKGROUND_NICE
 from backend.errors import EngineOverloadedError
+from backend.structured_output.compile_worker import read_frame, write_frame
 from backend.structured_output.params import StructuredOutputsParams
 from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-state token masks: tens of KiB to MiB)
 DEFAULT_COMPILE_TIMEOUT = 10.0  # CPU seconds one compile may use before its constraint is refused
-DEFAULT_COMPILE_THREADS = 2  # compiles running at once (a compile past its deadline keeps its thread)
+DEFAULT_COMPILE_THREADS = 2  # compiles running at once, each in a process of its own
+PROCESS_START_TIMEOUT_S = 60.0  # for a compile process to import xgrammar (seconds of CPU, once per process)
 BUSY_WALL_FACTOR = 3.0  # a compile short of its CPU seconds after this many times them in wall time: a 503
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:\d+: ")  # "[13:41:12] /project/cpp/x.cc:94: " in xgrammar errors
+WORKER_SCRIPT = Path(__file__).with_name("compile_worker.py")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # units of /proc/PID/stat's CPU times
 
 
 class GrammarCompiler:
@@ -31,12 +40,13 @@ class GrammarCompiler:
     only once its grammar is ready, and an invalid constraint fails that request alone. A JSON schema is
     first checked (:func:`~backend.structured_output.schema_check.check_json_schema`: every keyword enforced,
     size, depth and keyword count bounded), a regex too (:func:`~backend.structured_output.schema_check.check_regex`).
-    The compile itself runs on one of ``compile_threads`` worker threads at a lower CPU priority (nice
-    5, ``backend/background.py``: xgrammar releases the GIL, and the step's threads go first). Its deadline,
-    ``compile_timeout``, is in CPU seconds of that thread, so a constraint gets the same verdict on a busy machine
-    as on an idle one: a compile that uses them all is refused and remembered as refused (its result, when it
-    comes, is dropped), so the same constraint is refused at once next time. Refusals are cached like grammars.
-    The caller waits at most :data:`BUSY_WALL_FACTOR` times ``compile_timeout`` in wall time (then a 503).
+    The compile itself runs in one of ``compile_threads`` worker processes (``compile_worker``, each fed by a
+    thread here) at a lower CPU priority (nice 5, ``backend/background.py``: the step's threads go first). Its
+    deadline, ``compile_timeout``, is in CPU seconds of that process, so a constraint gets the same verdict on a
+    busy machine as on an idle one: a compile that uses them all is refused, its process is killed (xgrammar's
+    compile cannot be interrupted; the next compile starts a new process), and the refusal is cached like a
+    grammar, so the same constraint is refused at once next time. The caller waits at most
+    :data:`BUSY_WALL_FACTOR` times ``compile_timeout`` in wall time (then a 503).
 
     The tokenizer's vocabulary is read on first use (about 1 s for a 49k-token BPE vocabulary), so engines
     whose requests never ask for structured outputs pay nothing.
@@ -47,7 +57,7 @@ class GrammarCompiler:
         cache_size: compiled grammars (and refusals) kept, least recently used dropped first.
         schema_limits: bounds on a JSON schema.
         compile_timeout: CPU seconds a compile may use.
-        compile_threads: compiles that may run at once.
+        compile_threads: compiles that may run at once (worker processes, started on first use).
 
     Attributes:
         num_compiled, num_cache_hits: counters, for tests and stats.
@@ -63,11 +73,13 @@ class GrammarCompiler:
         self.compile_timeout = compile_timeout
         self.compile_threads = compile_threads
         self._lock = threading.Lock()
-        self._compiler = None
+        self._tokenizer_info = None  # xgrammar.TokenizerInfo and its JSON, on first use
+        self._info_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # a grammar or a _Refused
         self._pending: dict[tuple[str, str], _Job] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
+        self._processes: dict[int, _CompileProcess] = {}  # by worker thread (its ident), while it has one
         self.num_compiled = 0
         self.num_cache_hits = 0
 
@@ -106,10 +118,10 @@ class GrammarCompiler:
         with self._lock:
             job = self._pending.get(key)
             if job is None:
-                compiler = self._get_compiler()
+                self._get_tokenizer_info()
                 job = self._pending[key] = _Job(key, params)
                 self._start_workers()
-                self._jobs.put((job, compiler))
+                self._jobs.put(job)
         return self._await(job)
 
     def _await(self, job: "_Job"):
@@ -134,13 +146,20 @@ class GrammarCompiler:
                 if used >= self.compile_timeout:
                     refused = _Refused(f"invalid structured_outputs.{job.params.kind}: compiling it took over "
                                        f"{self.compile_timeout:g} s of CPU time (compile_timeout); simplify it")
-                    self._store(job.key, refused)  # the compile's own result, when it comes, is dropped
+                    self._store(job.key, refused)
+                    job.stop()  # its process is killed: the compile slot and the core are free again
                     return _unwrap(refused)
-                if waited >= wall_limit:  # not cached: the compile goes on and its grammar is kept when done
+                # Wall time counts from when its child began to compile: a compile process that is starting
+                # (importing xgrammar: seconds, once) is given PROCESS_START_TIMEOUT_S.
+                compiling = time.monotonic() - max(waited_from, job.compiling_since)
+                if compiling >= wall_limit:  # not cached: the compile goes on and its grammar is kept when done
                     raise EngineOverloadedError(
-                        f"the grammar compile had {used:.1f} s of CPU time in {waited:.0f} s (the machine is "
+                        f"the grammar compile had {used:.1f} s of CPU time in {compiling:.0f} s (the machine is "
                         f"busy; compile_timeout is {self.compile_timeout:g} s of CPU time); try again later")
-                budget = min(self.compile_timeout - used, wall_limit - waited)
+                if job.compiling_since == float("inf") and waited >= PROCESS_START_TIMEOUT_S:
+                    raise EngineOverloadedError(f"the grammar compile process did not start in "
+                                                f"{PROCESS_START_TIMEOUT_S:g} s (the machine is busy); try again later")
+                budget = min(self.compile_timeout - used, wall_limit - compiling, 0.5)
             else:
                 budget = 0
             try:
@@ -148,28 +167,51 @@ class GrammarCompiler:
             except FutureTimeout:
                 pass
 
-    def _run(self, job: "_Job", compiler) -> None:
-        """On a worker thread: compiles one job and stores its grammar or refusal (unless already refused)."""
-        job.cpu_clock, job.cpu_start = self._thread_cpu_clock()
+    def _run(self, job: "_Job", process: "_CompileProcess | None") -> "_CompileProcess | None":
+        """On a worker thread: compiles one job in ``process`` (a new one when it is None or has died) and
+        stores its grammar or refusal (unless already refused). Returns the process for the next job (None when
+        it was killed or died)."""
         job.started = time.monotonic()
         if not job.future.set_running_or_notify_cancel():
-            return
+            return process
         try:
-            compiled = _compile(compiler, job.params)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            text = str(exc).strip()
-            message = _NATIVE_PREFIX.sub("", text).splitlines()[0][:500] if text else type(exc).__name__
-            refused = _Refused(f"invalid structured_outputs.{job.params.kind}: {message}")
-            self._store(job.key, refused, from_compile=True)
-            job.future.set_exception(ValueError(refused.message))
-        except Exception as exc:  # not the constraint's fault (e.g. out of memory): not cached
+            if process is not None and not process.alive():
+                process.close()
+                process = None
+            if process is None:
+                process = _CompileProcess(self._get_tokenizer_info()[1])
+                self._processes[threading.get_ident()] = process
+            reply = process.compile(*_xgrammar_call(job.params), on_start=job.attach)
+            job.detach()
+            if reply is None:  # the worker process died
+                code, process = process.close(), None
+                raise RuntimeError(f"the grammar compile process exited (code {code})")
+            if reply[:1] == b"K":
+                if not job.stopped:
+                    raise RuntimeError(f"the grammar compile ended without a result (wait status {reply[1:].decode()})")
+                job.future.set_exception(ValueError("refused at its deadline"))  # nobody waits on it any more
+                return process
+            status, payload = reply[:1], reply[1:].decode(errors="replace")
+            if status == b"G":
+                import xgrammar
+
+                compiled = xgrammar.CompiledGrammar.deserialize_json(payload, self._tokenizer_info[0])
+                self._store(job.key, compiled, from_compile=True)
+                job.future.set_result(compiled)
+            elif status == b"I":
+                text = payload.strip()
+                message = _NATIVE_PREFIX.sub("", text).splitlines()[0][:500] if text else "invalid"
+                refused = _Refused(f"invalid structured_outputs.{job.params.kind}: {message}")
+                self._store(job.key, refused, from_compile=True)
+                job.future.set_exception(ValueError(refused.message))
+            else:  # not the constraint's fault (e.g. out of memory): not cached
+                raise RuntimeError(f"the grammar compile failed: {payload[:500]}")
+        except Exception as exc:
             job.future.set_exception(exc)
-        else:
-            self._store(job.key, compiled, from_compile=True)
-            job.future.set_result(compiled)
         finally:
             with self._lock:
                 self._pending.pop(job.key, None)
+        return process
 
     def _store(self, key: tuple[str, str], value: object, from_compile: bool = False) -> None:
         with self._lock:
@@ -183,35 +225,122 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
 
     def _start_workers(self) -> None:
-        """Starts the compile threads on first use (daemons: a compile past its deadline never holds up exit)."""
+        """Starts the compile threads on first use (daemons: never holds up exit); each starts its process on its
+        first job. Called under ``_lock``."""
         while len(self._workers) < self.compile_threads:
-            worker = threading.Thread(target=self._work, name=f"grammar-compile-{len(self._workers)}", daemon=True)
+            worker = threading.Thread(target=self._work, args=(self._jobs,),
+                                      name=f"grammar-compile-{len(self._workers)}", daemon=True)
             worker.start()
             self._workers.append(worker)
 
-    def _work(self) -> None:
-        lower_this_thread_priority()  # the step goes first (backend/background.py)
-        while True:
-            job, compiler = self._jobs.get()
-            self._run(job, compiler)
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        process = None
+        while (job := jobs.get()) is not None:
+            process = self._run(job, process)
+            if process is None:
+                self._processes.pop(threading.get_ident(), None)
+        self._processes.pop(threading.get_ident(), None)
+        if process is not None:
+            process.close()
 
-    @staticmethod
-    def _thread_cpu_clock() -> tuple[int | None, float]:
-        """The calling thread's CPU-time clock and its reading (None and 0 where the platform has none)."""
+    def close(self) -> None:
+        """Stops the compile threads and kills their processes; a later compile starts new ones. Compiles in
+        progress fail (their callers get an error), queued ones are answered 503 after ``compile_timeout``."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, queue.SimpleQueue()
+            workers, self._workers = self._workers, []
+            processes = list(self._processes.values())
+        for _ in workers:
+            jobs.put(None)
+        for process in processes:
+            process.kill()
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the compile processes running now (for tests and tools)."""
+        return [process.pid for process in list(self._processes.values()) if process.alive()]
+
+    def _get_tokenizer_info(self):
+        """The tokenizer's ``xgrammar.TokenizerInfo`` and its JSON (what a compile process starts from)."""
+        with self._info_lock:
+            if self._tokenizer_info is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._tokenizer_info = (info, info.serialize_json().encode())
+            return self._tokenizer_info
+
+
+class _CompileProcess:
+    """The parent's end of one ``compile_worker`` process: started with the tokenizer's vocabulary, then
+    compiles one constraint at a time, each in a child it forks.
+
+    Raises (from the constructor):
+        RuntimeError: the process did not start or did not get ready.
+    """
+
+    def __init__(self, info_json: bytes) -> None:
+        python = _python()
+        flags = ["-P"] if sys.version_info >= (3, 11) else []  # not this directory on sys.path: stdlib names win
+        self.process = subprocess.Popen([python, *flags, str(WORKER_SCRIPT), str(BACKGROUND_NICE)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self.pid = self.process.pid
         try:
-            clock = time.pthread_getcpuclockid(threading.get_ident())
-            return clock, time.clock_gettime(clock)
-        except (AttributeError, OSError):
-            return None, 0.0
+            write_frame(self.process.stdin, info_json)
+            ready = read_frame(self.process.stdout)
+        except OSError:
+            ready = None
+        if ready != b"R":
+            self.close()
+            raise RuntimeError(f"the grammar compile process ({python} {WORKER_SCRIPT.name}) did not start "
+                               f"(exit code {self.exit_code()}; its error is in the server's log)")
 
-    def _get_compiler(self):
-        if self._compiler is None:
-            import xgrammar
+    def compile(self, method: str, argument: str, on_start) -> bytes | None:
+        """The reply to one compile (status byte + payload, see ``compile_worker``), or None when the worker
+        process is gone. ``on_start(pid)`` is called with the process id of the child that compiles."""
+        try:
+            write_frame(self.process.stdin, json.dumps([method, argument]).encode())
+            started = read_frame(self.process.stdout)
+            if started is None or started[:1] != b"P":
+                return None
+            on_start(int(started[1:]))
+            return read_frame(self.process.stdout)
+        except (OSError, ValueError):  # a closed pipe: the process is gone
+            return None
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            # Its own cache is off: ours bounds the count and counts hits.
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+        except OSError:
+            pass
+
+    def close(self) -> int | None:
+        """Ends the process (its input closed, killed if it does not exit at once), reaps it and returns its
+        exit code."""
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            return self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def _python() -> str:
+    """The interpreter for compile processes: this one, or, where this process is not a Python executable
+    (Triton's backend stub embeds the interpreter), the ``python3`` of this environment's prefix."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    candidate = Path(sys.prefix) / "bin" / "python3"
+    return str(candidate) if candidate.exists() else "python3"
 
 
 class _Job:
@@ -222,14 +351,53 @@ class _Job:
         self.params = params
         self.future: Future = Future()
         self.started = float("inf")  # time.monotonic() when a worker took it
-        self.cpu_clock: int | None = None  # the worker's CPU-time clock (time.pthread_getcpuclockid)
-        self.cpu_start = 0.0
+        self.compiling_since = float("inf")  # time.monotonic() when its child began to compile
+        self.stopped = False  # killed at its deadline
+        self._pid: int | None = None  # the process compiling it, while it does
+        self._lock = threading.Lock()  # no kill once the reply is in (the process id may be reused after)
+
+    def attach(self, pid: int) -> None:
+        with self._lock:
+            self._pid = pid
+            self.compiling_since = time.monotonic()
+            if self.stopped:
+                _kill(pid)
+
+    def detach(self) -> None:
+        with self._lock:
+            self._pid = None
+
+    def stop(self) -> None:
+        """Kills the process compiling this job, if it still is."""
+        with self._lock:
+            self.stopped = True
+            if self._pid is not None:
+                _kill(self._pid)
 
     def cpu_seconds(self) -> float:
-        """CPU seconds the compile has used so far (wall seconds where the platform has no thread clock)."""
-        if self.cpu_clock is None:
-            return max(0.0, time.monotonic() - self.started)
-        return time.clock_gettime(self.cpu_clock) - self.cpu_start
+        """CPU seconds the compile has used so far (wall seconds where its process's cannot be read)."""
+        pid = self._pid
+        if pid is None:  # its process is starting (or it is done)
+            return 0.0
+        used = _process_cpu_seconds(pid)
+        return max(0.0, time.monotonic() - self.started) if used is None else used
+
+
+def _process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used (user + system), from /proc; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime and stime, fields 14 and 15
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 class _Refused:
@@ -253,17 +421,15 @@ def _check(params: StructuredOutputsParams, limits: SchemaLimits) -> None:
         check_regex(params.regex)
 
 
-def _compile(compiler, params: StructuredOutputsParams):
+def _xgrammar_call(params: StructuredOutputsParams) -> tuple[str, str]:
+    """The worker's compile method and its argument for ``params`` (see ``compile_worker``)."""
     kind = params.kind
     if kind == "json":  # already parsed and checked by _check
-        # Compact separators and no free whitespace: a small model sampling at temperature 1 could otherwise
-        # spend its whole budget on newlines between the tokens of a valid document.
-        return compiler.compile_json_schema(params.json, any_whitespace=False)
+        return "json_schema", params.json
     if kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        return "json_schema", '{"type": "object"}'
     if kind == "regex":
-        return compiler.compile_regex(params.regex)
+        return "regex", params.regex
     if kind == "choice":  # a grammar of string literals (JSON string escapes are EBNF's too)
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                   for c in params.choice))
-    return compiler.compile_grammar(params.grammar)
+        return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+    return "grammar", params.grammar

@@ -55,6 +55,9 @@ CANCEL_SWEEP_S = 0.05
 MAX_CANCEL_CHECKS_PER_S = 100  # is_cancelled() round trips; past it the sweeps space out (256 in flight: 2.6 s)
 METRICS_MIN_INTERVAL_S = 0.2  # metrics are published at most this often while responses flow (changes only)
 MAX_SEND_BATCH = 1 << 20  # deltas taken off the queue at once, then merged per completion: all there are
+# Threads that wait for constraints to compile: past the compiler's processes, requests queue in the compiler,
+# which answers 503 to one queued for its compile_timeout (a wait here has no bound).
+GRAMMAR_WAITERS = 32
 INLINE_TOKENIZE_BYTES = 64 * 1024  # longer prompts (up to engine.max_prompt_bytes) are tokenized on llm-intake
 
 
@@ -98,7 +101,7 @@ class TritonPythonModel:
         self.sender_thread = threading.Thread(target=self._send_loop, name="llm-sender", daemon=True)
         self.sender_thread.start()
         threading.Thread(target=self._intake_loop, args=(self.intake,), name="llm-intake", daemon=True).start()
-        for i in range(self.engine.grammar_compiler.compile_threads):
+        for i in range(GRAMMAR_WAITERS):
             threading.Thread(target=self._intake_loop, args=(self.grammar_intake,), name=f"llm-grammar-{i}",
                              daemon=True).start()
         threading.Thread(target=self._cancel_loop, name="llm-cancel", daemon=True).start()
@@ -179,7 +182,7 @@ class TritonPythonModel:
         self.stopping.set()
         self.drain.stop()
         self.intake.put(None)
-        for _ in range(self.engine.grammar_compiler.compile_threads):
+        for _ in range(GRAMMAR_WAITERS):
             self.grammar_intake.put(None)
         self.engine.shutdown(timeout=5.0)  # in-flight requests end with finish_reason "abort"
         self.outputs.put(None)

@@ -1,0 +1,123 @@
+"""The process that compiles grammars for :class:`~backend.structured_output.compiler.GrammarCompiler`.
+
+A compile runs in a process of its own so that it can be stopped: xgrammar's compile cannot be interrupted in a
+thread, and one past its deadline would otherwise keep burning a core and hold a compile slot until it ends (a
+schema can take minutes). This process imports xgrammar once (with torch and transformers: seconds) and forks a
+child per compile (milliseconds); the parent kills a child at its deadline, and this process goes on.
+
+Run as a script by the parent (``python compile_worker.py NICE``); it imports nothing of this project. Messages
+in both directions are frames: an 8-byte big-endian length, then that many bytes.
+
+- Parent to worker, first: the tokenizer's ``xgrammar.TokenizerInfo`` as JSON (``serialize_json``).
+- Worker to parent: ``R`` once ready.
+- Parent to worker, then, per compile: JSON ``[method, argument]``, method one of ``json_schema``, ``regex``,
+  ``grammar`` (EBNF).
+- Worker to parent, per compile: ``P`` + the child's process id (ASCII) when it starts; then ``G`` + the
+  ``CompiledGrammar`` as JSON, or ``I`` + xgrammar's message (the constraint is invalid or unsupported), or
+  ``E`` + a message (anything else), or ``K`` + the child's wait status when it ended without a reply (killed).
+
+A child is reaped when the next compile arrives, so its process id stays its own until the parent has read its
+reply. The worker runs at nice ``NICE`` and exits when its input closes or its parent dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import sys
+
+HEADER = struct.Struct(">Q")
+
+
+def read_frame(stream) -> bytes | None:
+    """One frame from ``stream``, or None at end of input."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (length,) = HEADER.unpack(header)
+    data = stream.read(length)
+    return data if len(data) == length else None
+
+
+def write_frame(stream, data: bytes) -> None:
+    stream.write(HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the parent dies (a compile in progress does not read its closed input)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the call
+        os._exit(1)
+
+
+def main(nice: int) -> None:
+    _die_with_parent()
+    os.setpriority(os.PRIO_PROCESS, 0, nice)
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever the library prints goes to stderr, never into the frames
+    source = sys.stdin.buffer
+    import xgrammar
+
+    info = read_frame(source)
+    if info is None:
+        return
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.deserialize_json(info.decode()), max_threads=1,
+                                        cache_enabled=False)
+    write_frame(out, b"R")
+    previous = None  # the last child that replied, reaped when the next compile arrives
+    while (frame := read_frame(source)) is not None:
+        if previous is not None:
+            os.waitpid(previous, 0)
+            previous = None
+        method, argument = json.loads(frame)
+        readable, writable = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(readable)
+            _die_with_parent()
+            with os.fdopen(writable, "wb") as reply:
+                write_frame(reply, _compile(compiler, method, argument))
+            os._exit(0)
+        os.close(writable)
+        write_frame(out, b"P" + str(child).encode())
+        with os.fdopen(readable, "rb") as replies:
+            reply = read_frame(replies)
+        if reply is None:
+            _, status = os.waitpid(child, 0)
+            reply = b"K" + str(status).encode()
+        else:
+            previous = child
+        write_frame(out, reply)
+
+
+def _compile(compiler, method: str, argument: str) -> bytes:
+    """One compile's reply frame (in the child)."""
+    try:
+        if method == "json_schema":
+            # Compact separators and no free whitespace: a small model sampling at temperature 1 could
+            # otherwise spend its whole budget on newlines between the tokens of a valid document.
+            grammar = compiler.compile_json_schema(argument, any_whitespace=False)
+        elif method == "regex":
+            grammar = compiler.compile_regex(argument)
+        elif method == "grammar":
+            grammar = compiler.compile_grammar(argument)
+        else:
+            raise KeyError(f"unknown compile method {method!r}")
+        return b"G" + grammar.serialize_json().encode()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return b"I" + str(exc).encode()
+    except Exception as exc:
+        return b"E" + f"{type(exc).__name__}: {exc}".encode()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
