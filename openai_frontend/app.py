@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from backend.prompt_limits import encode_prompt
 from openai_frontend import metrics
 from openai_frontend.auth import protect
 from openai_frontend.chat_template import render_chat
-from openai_frontend.errors import OpenAIError
+from openai_frontend.errors import OpenAIError, internal_error
 from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
                                     render_token_ids, warm_tokenizers)
 from openai_frontend.models import model_ids, resolve, tokenizer_for
@@ -42,6 +43,7 @@ from openai_frontend.triton_stream import Delta, TritonLLM
 
 DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 RETRY_AFTER_S = 1  # the Retry-After of every 503 answer
+log = logging.getLogger("openai_frontend")
 
 
 @dataclass
@@ -89,6 +91,13 @@ def create_app(config: FrontendConfig) -> FastAPI:
         # A 503 is temporary (overload, a model not ready, Triton away): clients and gateways may retry.
         headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    # Starlette hands a handler of Exception to its outermost middleware, so this answers whatever a route or
+    # middleware raised unexpectedly (without it the answer is a plain-text 500); the middleware then raises the
+    # exception again, and the server logs its traceback.
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        return JSONResponse(internal_error().body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method, ...
@@ -554,6 +563,9 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
             yield _event({**view.header(chunk=True), "choices": [], "usage": view.usage()})
     except OpenAIError as exc:
         yield _event(exc.body())
+    except Exception:  # noqa: BLE001 - the status line has gone out: the error becomes an event, as above
+        log.exception("streaming %s failed", view.id)
+        yield _event(internal_error().body())
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"

@@ -32,6 +32,13 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+def internal_error() -> OpenAIError:
+    """The answer to an exception that no check expected (a bug): a 500 in OpenAI's shape whose message tells
+    nothing of the code; the traceback goes to the server's log."""
+    return OpenAIError(500, "internal error: the server failed on this request (the details are in its log)",
+                       "internal_error")
+
+
 def error_from_triton(message: str) -> OpenAIError:
     """The OpenAIError for an error message that Triton or the model sent on the stream."""
     if _NOT_READY.match(message):

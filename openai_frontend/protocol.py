@@ -138,6 +138,43 @@ CHAT_MESSAGE_FIELDS = {"name", "tool_calls", "tool_call_id", "function_call", "r
                        "reasoning", "reasoning_content"}
 
 
+def _check_tool_calls(tool_calls: Any, i: int, role: str) -> None:
+    """An assistant message's earlier ``tool_calls``, which the chat template renders: a list of
+    ``{"id", "type": "function", "function": {"name", "arguments"}}``. As vLLM takes them, ``id`` and ``type`` may
+    be left out and ``arguments`` may be an object or left out (no arguments); OpenAI's form has them all.
+
+    Raises: OpenAIError 400 for tool calls on a message that is not the assistant's (the template would not
+    render them), or naming the first call, or part of it, that is not of that shape."""
+    if tool_calls is None:
+        return
+    where = f"messages[{i}].tool_calls"
+    if role != "assistant":
+        raise OpenAIError(400, f"{where}: only an assistant message carries tool calls, not a {role!r} one",
+                          "invalid_value", f"messages.{i}.tool_calls")
+    if not isinstance(tool_calls, list):
+        raise OpenAIError(400, f"{where} must be a list of tool calls", "invalid_value", f"messages.{i}.tool_calls")
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
+    for j, call in enumerate(tool_calls):
+        at, param = f"{where}[{j}]", f"messages.{i}.tool_calls.{j}"
+        if not isinstance(call, dict):
+            raise OpenAIError(400, f"{at} must be a tool call object, {shape}", "invalid_value", param)
+        if call.get("type") not in (None, "function"):
+            raise OpenAIError(400, f"{at}.type must be function, got {call['type']!r}", "invalid_value",
+                              f"{param}.type")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise OpenAIError(400, f"{at}.id must be a string", "invalid_value", f"{param}.id")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise OpenAIError(400, f"{at}.function must be an object with a name and its arguments as JSON text",
+                              "invalid_value", f"{param}.function")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise OpenAIError(400, f"{at}.function.name must be a non-empty string", "invalid_value",
+                              f"{param}.function.name")
+        if not isinstance(function.get("arguments"), (str, dict, type(None))):
+            raise OpenAIError(400, f"{at}.function.arguments must be JSON text (or an object)", "invalid_value",
+                              f"{param}.function.arguments")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # CHAT_MESSAGE_FIELDS, checked in ChatCompletionRequest.check
     role: str
@@ -186,6 +223,7 @@ class ChatCompletionRequest(_Sampling):
             if message.content is None and message.role != "assistant":
                 raise OpenAIError(400, f"messages[{i}].content is required for role {message.role!r}",
                                   "invalid_value", f"messages.{i}.content")
+            _check_tool_calls((message.model_extra or {}).get("tool_calls"), i, message.role)
         if self.continue_final_message and self.add_generation_prompt:
             raise OpenAIError(400, "continue_final_message needs add_generation_prompt false", "invalid_value",
                               "continue_final_message")

@@ -206,8 +206,10 @@ def messages_for_plain_template(messages: list[dict], tools: list[dict]) -> list
     for message in messages:
         role, content = message.get("role"), message.get("content") or ""
         if role == "assistant" and message.get("tool_calls"):
+            # The calls' shape is checked with the request (protocol.ChatCompletionRequest.check); arguments left
+            # out or empty are none, as vLLM renders them.
             blocks = [f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                 "arguments": _loads_or_text(c["function"].get("arguments"))})
+                                                 "arguments": _loads_or_text(c["function"].get("arguments") or {})})
                       + f"\n{CLOSE}" for c in message["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(filter(None, [content, *blocks]))})
         elif role == "tool":

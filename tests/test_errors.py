@@ -1,15 +1,20 @@
 """How a refusal's status survives Triton's gRPC stream, which carries only its text: the engine's messages for
-"try again" begin as ``backend.errors.UNAVAILABLE_MESSAGE_STARTS`` say, and the frontend reads nothing else."""
+"try again" begin as ``backend.errors.UNAVAILABLE_MESSAGE_STARTS`` say, and the frontend reads nothing else; and
+an error nothing expected still answers in OpenAI's shape."""
 
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from backend.errors import UNAVAILABLE_MESSAGE_STARTS
+from openai_frontend.app import FrontendConfig, create_app
 from openai_frontend.errors import error_from_triton
+from openai_frontend.triton_stream import Delta
 
 REPO = Path(__file__).resolve().parent.parent
 UNAVAILABLE_ERRORS = {"EngineUnavailableError", "EngineOverloadedError", "EngineDeadError"}
@@ -53,3 +58,33 @@ def test_every_unavailable_message_raised_begins_as_the_frontend_expects():
 def test_status_is_read_from_how_the_message_begins(message, status, code):
     error = error_from_triton(message)
     assert (error.status, error.code) == (status, code)
+
+
+INTERNAL = {"error": {"message": "internal error: the server failed on this request (the details are in its log)",
+                      "type": "internal_server_error", "param": None, "code": "internal_error"}}
+
+
+def test_an_unexpected_exception_is_a_json_500_or_an_error_event_without_its_details():
+    app = create_app(FrontendConfig(triton_url="127.0.0.1:1"))
+
+    async def broken():
+        raise KeyError("function")  # what a route's bug raises
+
+    async def models():
+        return [("llm", "")]
+
+    async def generate(model, version, prompt, sampling, request_id):  # fails after its first delta
+        yield Delta(0, "Hel", [1], None, 3, 1, 0)
+        raise KeyError("function")
+
+    app.add_api_route("/broken", broken, methods=["POST"])
+    app.state.triton.models, app.state.triton.generate = models, generate
+    with TestClient(app, raise_server_exceptions=False) as http:
+        reply = http.post("/broken", json={})
+        assert reply.status_code == 500 and reply.headers["content-type"] == "application/json"
+        assert reply.json() == INTERNAL
+        body = {"model": "llm", "prompt": "Hi", "max_tokens": 5}
+        assert http.post("/v1/completions", json=body).json() == INTERNAL
+        events = http.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+    assert json.loads(events[0][len("data: "):])["choices"][0]["text"] == "Hel"  # the status line went out
+    assert json.loads(events[1][len("data: "):]) == INTERNAL and events[2] == "data: [DONE]"

@@ -7,8 +7,12 @@ import json
 
 import pytest
 
+from fastapi.testclient import TestClient
+
+from openai_frontend.app import FrontendConfig, create_app
 from openai_frontend.errors import OpenAIError
 from openai_frontend.tool_calls import ToolCallParser, ToolChoice, messages_for_plain_template
+from openai_frontend.triton_stream import Delta
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -139,3 +143,94 @@ def test_required_keeps_each_tools_references_and_compiles():
             jsonschema.validate([{"name": "add_person", "arguments": args}], schema)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     GrammarCompiler(tokenizer, len(tokenizer)).compile(StructuredOutputsParams(json=constraint))
+
+
+# -- the chat route, over a scripted Triton ---------------------------------------------------------------
+SCRIPT = {"pieces": [], "finish": "stop"}  # what the scripted model answers: its text pieces, its finish reason
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """The frontend with Triton replaced by :data:`SCRIPT`: every request is answered with its pieces as deltas
+    (the last with its finish reason), whatever the prompt; model ``llm``, the default model's tokenizer."""
+    app = create_app(FrontendConfig(triton_url="127.0.0.1:1"))
+    triton = app.state.triton
+
+    async def models():
+        return [("llm", "")]
+
+    async def generate(model, version, prompt, sampling, request_id):
+        pieces = SCRIPT["pieces"]
+        for i, piece in enumerate(pieces):
+            yield Delta(0, piece, [i], SCRIPT["finish"] if i == len(pieces) - 1 else None, 9, i + 1, 0)
+
+    triton.models, triton.generate = models, generate
+    with TestClient(app) as http:
+        yield http
+
+
+def chat(http: TestClient, reply: str, piece: int, finish: str = "stop", **body) -> list[tuple]:
+    """(content, [(name, arguments)], finish_reason) of the answer to ``body`` when the model writes ``reply``
+    in pieces of ``piece`` characters: non-streaming, then streamed (the deltas joined)."""
+    SCRIPT.update(pieces=[reply[i:i + piece] for i in range(0, len(reply), piece)], finish=finish)
+    body = {"model": "llm", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER], **body}
+    whole = http.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    answers = [(choice["message"]["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                               for c in choice["message"].get("tool_calls") or []],
+                choice["finish_reason"])]
+    content, calls, reasons = None, {}, []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for entry in json.loads(line[len("data: "):])["choices"]:
+                delta, reasons = entry["delta"], reasons + [entry["finish_reason"]]
+                if delta.get("content"):
+                    content = (content or "") + delta["content"]
+                for call in delta.get("tool_calls") or []:
+                    name, arguments = calls.get(call["index"], ("", ""))
+                    calls[call["index"]] = (name + call.get("function", {}).get("name", ""),
+                                            arguments + call.get("function", {}).get("arguments", ""))
+    assert [r for r in reasons if r] == [reasons[-1]]  # one finish reason, in the last chunk
+    answers.append((content, [calls[i] for i in sorted(calls)], reasons[-1]))
+    return answers
+
+
+@pytest.mark.parametrize("tool_calls, param, words", [
+    ([{"id": "c", "type": "function"}], "messages.1.tool_calls.0.function", "function must be an object"),
+    ("oops", "messages.1.tool_calls", "must be a list of tool calls"),
+    ([1], "messages.1.tool_calls.0", "must be a tool call object"),
+    ([{"function": "x"}], "messages.1.tool_calls.0.function", "function must be an object"),
+    ([{"function": {"arguments": "{}"}}], "messages.1.tool_calls.0.function.name", "name must be a non-empty string"),
+    ([{"type": "web", "function": {"name": "f"}}], "messages.1.tool_calls.0.type", "type must be function"),
+    ([{"function": {"name": "f", "arguments": 3}}], "messages.1.tool_calls.0.function.arguments", "JSON text"),
+])
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["no_tools", "tools"])
+def test_malformed_assistant_tool_calls_are_a_400_naming_the_call(scripted, tool_calls, param, words, tools):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": tool_calls},
+                {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    for route in ("/v1/chat/completions", "/v1/chat/completions/render"):
+        reply = scripted.post(route, json={"model": "llm", "messages": messages, "tools": tools})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and f"messages[1].tool_calls" in error["message"] and words in error["message"]
+    user_calls = [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "f"}}]}]
+    reply = scripted.post("/v1/chat/completions", json={"model": "llm", "messages": user_calls})
+    assert reply.status_code == 400 and "only an assistant message carries tool calls" in reply.json()["error"]["message"]
+
+
+def test_assistant_tool_calls_in_vllms_lenient_forms_render(scripted):
+    """vLLM's forms: no ``id`` or ``type``, arguments as an object or left out (none)."""
+    SCRIPT.update(pieces=["ok"], finish="stop")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}, {"function": {"name": "ping"}}]},
+        {"role": "tool", "content": "5 C"}]
+    reply = scripted.post("/v1/chat/completions", json={"model": "llm", "messages": messages})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "ok"
+    rendered = messages_for_plain_template(messages, [])
+    assert rendered[1]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                                      '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
