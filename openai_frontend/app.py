@@ -593,9 +593,10 @@ def _chat_chunks(index: int, choice: _Choice, text: str, logprobs) -> list[dict]
 
 
 def _finish_reason(choice: _Choice) -> str | None:
-    """``tool_calls`` when the reply ended normally in tool calls, else the model's reason."""
-    if choice.finish_reason == "stop" and choice.tool_parser is not None and choice.tool_parser.calls:
-        return "tool_calls"
+    """The model's reason, or the tool parser's where the reply ended normally (``tool_calls`` for calls made
+    under ``auto`` or ``required``)."""
+    if choice.finish_reason == "stop" and choice.tool_parser is not None:
+        return choice.tool_parser.finish_reason or "stop"
     return choice.finish_reason
 
 

@@ -253,7 +253,7 @@ class ToolCallParser:
     ``feed(text)`` and, once the choice ends, ``finish()`` return OpenAI chat deltas: ``{"content": ...}`` and
     ``{"tool_calls": [...]}`` (a call's first delta carries ``index``, ``id``, ``type`` and the function's
     ``name``; its ``arguments`` may follow in pieces, as OpenAI streams them). ``calls`` and ``content`` hold
-    the whole reply; ``finish_reason`` is ``tool_calls`` when there are calls.
+    the whole reply; ``finish_reason`` is ``tool_calls`` when the model made calls.
     """
 
     def __init__(self, choice: ToolChoice) -> None:
@@ -298,7 +298,9 @@ class ToolCallParser:
 
     @property
     def finish_reason(self) -> str | None:
-        return "tool_calls" if self.calls else None
+        """``tool_calls`` when the model chose to call (``auto``, ``required``); a named choice's call was the
+        request's, so its reply ends as any other (None: the model's reason), as at OpenAI and vLLM."""
+        return "tool_calls" if self.calls and self.choice.mode != "named" else None
 
     def _scan(self) -> list[dict]:
         deltas = []

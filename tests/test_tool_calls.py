@@ -234,3 +234,14 @@ def test_assistant_tool_calls_in_vllms_lenient_forms_render(scripted):
     rendered = messages_for_plain_template(messages, [])
     assert rendered[1]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
                                       '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+
+
+def test_a_named_choice_finishes_with_stop_and_required_with_tool_calls(scripted):
+    """As at OpenAI and vLLM: ``tool_calls`` where the model chose to call (auto, required), ``stop`` for the
+    call a named choice asked for; ``length`` wherever max_tokens cut the reply."""
+    named = chat(scripted, '{"city": "Paris"}', 4, tool_choice=NAMED)
+    assert named == [(None, [("get_weather", '{"city": "Paris"}')], "stop")] * 2
+    required = chat(scripted, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', 4, tool_choice="required")
+    assert required == [(None, [("get_weather", '{"city": "Paris"}')], "tool_calls")] * 2
+    cut = chat(scripted, '{"city": "Par', 4, finish="length", tool_choice=NAMED)
+    assert cut == [(None, [("get_weather", '{"city": "Par')], "length")] * 2
