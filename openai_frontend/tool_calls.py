@@ -254,6 +254,11 @@ class ToolCallParser:
     ``{"tool_calls": [...]}`` (a call's first delta carries ``index``, ``id``, ``type`` and the function's
     ``name``; its ``arguments`` may follow in pieces, as OpenAI streams them). ``calls`` and ``content`` hold
     the whole reply; ``finish_reason`` is ``tool_calls`` when the model made calls.
+
+    ``auto``: as vLLM's hermes parser, the content is the reply's text before its first call, as written (a
+    malformed block in it included); text after the first call is not content (OpenAI's message puts its
+    content before its calls, and a later turn renders it so). Text that is only whitespace before a call is
+    no content either. The same text gives the same content and calls whatever pieces it arrives in.
     """
 
     def __init__(self, choice: ToolChoice) -> None:
@@ -262,6 +267,7 @@ class ToolCallParser:
         self.content = ""
         self._buffer = ""  # auto: text that may be (part of) a <tool_call> block; required: the whole reply
         self._inside = False
+        self._blank = ""  # auto: whitespace before any call or content, held until it is followed by text
 
     def feed(self, text: str) -> list[dict]:
         if self.choice.mode == "named":
@@ -294,7 +300,11 @@ class ToolCallParser:
             calls = _parse_calls(rest[len(OPEN):])
             if calls is not None:
                 return deltas + self._add_calls(calls)
-        return deltas + self._content(rest if rest.strip() or not self.calls else "")
+        deltas += self._text(rest)
+        if not self.calls:  # a reply of whitespace alone is its content
+            deltas += self._content(self._blank)
+        self._blank = ""
+        return deltas
 
     @property
     def finish_reason(self) -> str | None:
@@ -307,23 +317,34 @@ class ToolCallParser:
         while True:
             if not self._inside:
                 start = self._buffer.find(OPEN)
-                if start < 0:  # hold back a tail that could begin the tag, and the whitespace before it
+                if start < 0:  # hold back a tail that could begin the tag
                     keep = next((k for k in range(min(len(OPEN) - 1, len(self._buffer)), 0, -1)
                                  if OPEN.startswith(self._buffer[-k:])), 0)
-                    cut = len(self._buffer[:len(self._buffer) - keep].rstrip())
-                    deltas += self._content(self._buffer[:cut])
+                    cut = len(self._buffer) - keep
+                    deltas += self._text(self._buffer[:cut])
                     self._buffer = self._buffer[cut:]
                     return deltas
-                deltas += self._content(self._buffer[:start].rstrip())
+                deltas += self._text(self._buffer[:start])
                 self._buffer = self._buffer[start:]
                 self._inside = True
             end = self._buffer.find(CLOSE)
             if end < 0:
                 return deltas
-            block, self._buffer = self._buffer[len(OPEN):end], self._buffer[end + len(CLOSE):].lstrip("\n")
+            block, self._buffer = self._buffer[len(OPEN):end], self._buffer[end + len(CLOSE):]
             self._inside = False
             calls = _parse_calls(block)
-            deltas += self._add_calls(calls) if calls is not None else self._content(OPEN + block + CLOSE)
+            deltas += self._add_calls(calls) if calls is not None else self._text(OPEN + block + CLOSE)
+
+    def _text(self, text: str) -> list[dict]:
+        """``auto``: text outside the calls, as it is; content only before the first call, and whitespace only
+        once text follows it (see the class's doc)."""
+        if self.calls:
+            return []
+        self._blank += text
+        if not self.content and not self._blank.strip():
+            return []
+        text, self._blank = self._blank, ""
+        return self._content(text)
 
     def _content(self, text: str) -> list[dict]:
         if not text:

@@ -31,12 +31,12 @@ def parse(choice: ToolChoice, text: str, piece: int) -> tuple[ToolCallParser, li
 @pytest.mark.parametrize("piece", [1, 2, 7, 1000])
 def test_hermes_and_smollm2_blocks_parse_the_same_in_any_pieces(piece):
     parser, deltas = parse(ToolChoice.from_request([WEATHER], "auto"), HERMES, piece)
-    assert parser.content == "Let me look." and parser.finish_reason == "tool_calls"
+    assert parser.content == "Let me look.\n" and parser.finish_reason == "tool_calls"
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"}),
                                                                          ("get_weather", {"city": "Rome"})]
     streamed = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert [s["index"] for s in streamed] == [0, 1] and all(s["id"].startswith("call_") for s in streamed)
-    assert "".join(d.get("content", "") for d in deltas) == "Let me look."
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look.\n"
 
 
 def test_text_that_only_looks_like_a_call_stays_content():
@@ -245,3 +245,19 @@ def test_a_named_choice_finishes_with_stop_and_required_with_tool_calls(scripted
     assert required == [(None, [("get_weather", '{"city": "Paris"}')], "tool_calls")] * 2
     cut = chat(scripted, '{"city": "Par', 4, finish="length", tool_choice=NAMED)
     assert cut == [(None, [("get_weather", '{"city": "Par')], "length")] * 2
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+@pytest.mark.parametrize("reply, content, calls", [
+    # As vLLM's hermes parser: the text before the first call, as written; after it, no content.
+    ("Sure." + CALL + "\nDone, anything else?", "Sure.", 1),
+    ("Sure.\n" + CALL + "\n" + CALL + "\n", "Sure.\n", 2),
+    ("\n" + CALL, None, 1),
+    ("Use the <tool_call> tag", "Use the <tool_call> tag", 0),
+    ("a <tool_call>not json</tool_call>  b " + CALL + " c", "a <tool_call>not json</tool_call>  b ", 1),
+    ("  two spaces  ", "  two spaces  ", 0),
+])
+def test_auto_content_is_the_text_before_the_first_call_streamed_or_not(scripted, piece, reply, content, calls):
+    whole, streamed = chat(scripted, reply, piece)
+    assert whole == streamed
+    assert whole == (content, [("get_weather", '{"city": "Paris"}')] * calls, "tool_calls" if calls else "stop")
