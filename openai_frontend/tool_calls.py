@@ -37,11 +37,21 @@ FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
+# Root keywords that give the schema's type through other schemas: no "type" is added beside them.
+COMPOSED = {"anyOf", "oneOf", "allOf", "$ref"}
+
+
 def parameters(function: dict) -> dict:
     """A function's arguments schema: its ``parameters``, or none (:data:`NO_PARAMETERS`) where omitted or ``{}``
-    (arguments are always an object)."""
+    (arguments are always an object). Parameters without a root ``type`` (``{"properties": ..., "required":
+    ...}``) describe an object, as OpenAI reads them: ``"type": "object"`` is added, so that the constraint of
+    ``required`` and named choices enforces their object keywords (the engine refuses them without a type)."""
     given = function.get("parameters")
-    return NO_PARAMETERS if given is None or given == {} else given
+    if given is None or given == {}:
+        return NO_PARAMETERS
+    if isinstance(given, dict) and "type" not in given and not COMPOSED & set(given):
+        return {"type": "object", **given}
+    return given
 
 
 def unenforced_strict(tools: list[dict], tool_choice) -> int | None:
@@ -151,7 +161,14 @@ def _hoisted(schema: dict, name: str, defs: dict) -> dict:
     tool's schema kept whole as ``$defs/<name>``). Pydantic writes nested models this way, so tools made
     from them (instructor, LangChain) keep their references. Returns a ``$ref`` to the tool's schema when the
     schema has references, else the schema itself. Remote references are left as they are (the schema
-    check refuses them)."""
+    check refuses them).
+
+    A root ``$id`` is dropped: it names the tool's schema as a resource of its own, against which its local
+    references resolve; nested, it would keep them resolving there, while they are rewritten here to point
+    into the constraint's root (and the schema check refuses an ``$id`` below the root). References that
+    name the ``$id`` itself (``urn:x#/...``) are not local, so they are refused, as with a named choice."""
+    if isinstance(schema, dict) and "$id" in schema:
+        schema = {k: v for k, v in schema.items() if k != "$id"}
     if not isinstance(schema, dict) or not _has_local_ref(schema):
         return schema
 

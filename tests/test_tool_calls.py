@@ -261,3 +261,32 @@ def test_auto_content_is_the_text_before_the_first_call_streamed_or_not(scripted
     whole, streamed = chat(scripted, reply, piece)
     assert whole == streamed
     assert whole == (content, [("get_weather", '{"city": "Paris"}')] * calls, "tool_calls" if calls else "stop")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add_person"}}],
+                         ids=["required", "named"])
+def test_parameters_without_type_or_with_a_root_id_are_enforced_as_an_object(choice):
+    """Parameters without a root ``type`` are an object's (as the tools' check reads them), and a root ``$id``
+    names the schema only: both compile under ``required`` and a named choice, and mean what they say."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from backend.model_loader import resolve_model_dir
+    from backend.structured_output.compiler import GrammarCompiler
+    from backend.structured_output.params import StructuredOutputsParams
+
+    untyped = {"properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}
+    with_id = {"$id": "https://example.com/person.json", **PERSON["function"]["parameters"]}
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    for parameters, valid, wrong in ((untyped, {"name": "Ada"}, {"name": 3}),
+                                     (with_id, {"name": "Ada", "home": {"city": "Rome"}}, {"name": "Ada"})):
+        tool = {"type": "function", "function": {"name": "add_person", "parameters": parameters}}
+        constraint = ToolChoice.from_request([tool], choice).structured_outputs()["json"]
+        schema = json.loads(constraint)
+        compiler.compile(StructuredOutputsParams(json=constraint))  # the engine's schema check passes it
+        wrap = (lambda args: [{"name": "add_person", "arguments": args}]) if choice == "required" else (lambda a: a)
+        jsonschema.validate(wrap(valid), schema)
+        for bad in (wrong, "not an object"):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(wrap(bad), schema)
