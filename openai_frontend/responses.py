@@ -276,13 +276,27 @@ class ResponseBuilder:
         if message.get("content") or not message.get("tool_calls"):
             self.output.append(self._message(message.get("content") or "", self.status()))
         for call in message.get("tool_calls") or []:
-            self.output.append(self._call(call, "completed"))
+            item = self._call(call, "completed")
+            item["status"] = self._call_status(item["arguments"])
+            self.output.append(item)
         self.set_usage(completion["usage"])
         return self.object()
 
     def _message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def _call_status(self, arguments: str) -> str:
+        """A function_call item's final status: ``incomplete`` when ``max_output_tokens`` cut its arguments
+        (a named function's, which are the reply itself; they are then not whole JSON), else ``completed``.
+        The calls of ``auto`` and ``required`` are only made of complete JSON, and one cut short is dropped."""
+        if self.finish_reason != "length":
+            return "completed"
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            return "incomplete"
+        return "completed"
 
     def _call(self, call: dict, status: str) -> dict:
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
@@ -379,7 +393,7 @@ class ResponseBuilder:
                        self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part)]
         else:
-            item["status"] = "completed"
+            item["status"] = self._call_status(item["arguments"])
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=index, name=item["name"], arguments=item["arguments"]))
         events.append(self.event("response.output_item.done", output_index=index, item=item))

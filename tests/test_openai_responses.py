@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from openai_frontend.app import FrontendConfig, create_app
 from openai_frontend.responses import ResponseBuilder, ResponsesRequest
 from test_openai_frontend import wait_idle
+from test_tool_calls import SCRIPT, scripted  # noqa: F401  (a module-scoped fixture: the app over a scripted model)
 from triton_server import settled
 
 FP32 = "llm/1"
@@ -252,3 +253,26 @@ def test_chat_chunks_become_ordered_items_and_an_error_fails_the_response():
     events = asyncio.run(run(chunks[:1] + [chunk(error), "data: [DONE]\n\n"]))
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["message"] == "engine is dead" and events[-1]["response"]["status"] == "failed"
+
+
+@pytest.mark.parametrize("finish, status", [("stop", "completed"), ("length", "incomplete")])
+def test_a_function_call_cut_by_max_output_tokens_is_incomplete_as_the_response(scripted, finish, status):
+    """A named function's arguments are the reply itself: cut by ``max_output_tokens`` they are not whole JSON,
+    and the item says so (``incomplete``, as a message cut short), streamed or not; the response agrees."""
+    arguments = '{"city": "Paris", "unit": "celsius"}' if finish == "stop" else '{"city": "Par'
+    SCRIPT.update(pieces=[arguments[:5], arguments[5:]], finish=finish)
+    body = {"model": "llm", "input": "Weather in Paris?", "tools": [WEATHER], "max_output_tokens": 40,
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    whole = scripted.post("/v1/responses", json=body).json()
+    events = [json.loads(line[len("data: "):]) for line in
+              scripted.post("/v1/responses", json={**body, "stream": True}).text.splitlines()
+              if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert events[-1]["type"] == f"response.{status}"
+    for response in (whole, events[-1]["response"]):
+        assert response["status"] == status
+        assert response["incomplete_details"] == ({"reason": "max_output_tokens"} if finish == "length" else None)
+        (call,) = response["output"]
+        assert (call["type"], call["name"], call["arguments"], call["status"]) == (
+            "function_call", "get_weather", arguments, status)
+    assert [item["status"] for item in done] == [status]
