@@ -310,6 +310,7 @@ class LLMEngine:
                 self._stopping = True
             thread = self._thread
             self.engine_core.wake()
+            self.grammar_compiler.close()  # its worker processes (a compile in progress: 503); a restart starts new ones
             if thread is not None:
                 thread.join(timeout)
                 if thread.is_alive():  # kept in self._thread: start() waits for it

@@ -134,7 +134,8 @@ class CompletionRequest(_Sampling):
 # markup, so no other string is taken.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Message fields besides role and content, passed to the chat template: OpenAI's, and vLLM's reasoning text.
-CHAT_MESSAGE_FIELDS = {"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+# ``annotations`` (a reply's URL citations) comes back in a reply the openai SDK serializes (``model_dump()``).
+CHAT_MESSAGE_FIELDS = {"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations",
                        "reasoning", "reasoning_content"}
 
 
@@ -144,8 +145,9 @@ def _check_tool_calls(tool_calls: Any, i: int, role: str) -> None:
     be left out and ``arguments`` may be an object or left out (no arguments); OpenAI's form has them all.
 
     Raises: OpenAIError 400 for tool calls on a message that is not the assistant's (the template would not
-    render them), or naming the first call, or part of it, that is not of that shape."""
-    if tool_calls is None:
+    render them; an empty list, which some clients send on every message, is taken), or naming the first call,
+    or part of it, that is not of that shape."""
+    if tool_calls is None or tool_calls == []:
         return
     where = f"messages[{i}].tool_calls"
     if role != "assistant":

@@ -134,6 +134,8 @@ class ResponsesRequest(BaseModel):
                 for key in ("call_id", "name", "arguments"):
                     if not isinstance(item.get(key), str):
                         raise _bad(f"{where}.{key} must be a string", f"{where}.{key}")
+                if not item["name"]:
+                    raise _bad(f"{where}.name must be a non-empty string", f"{where}.name")
                 call = {"id": item["call_id"], "type": "function",
                         "function": {"name": item["name"], "arguments": item["arguments"]}}
                 if messages and messages[-1]["role"] == "assistant":

@@ -197,6 +197,8 @@ def test_input_items_become_chat_messages_and_tools_chat_tools():
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "not supported"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user, system, developer or assistant"),
     ({"input": []}, "input", "must not be empty"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"}]}, "input[0].name",
+     "non-empty string"),
 ])
 def test_unsupported_fields_are_a_400_naming_the_field(extra, param, words):
     app = create_app(FrontendConfig(triton_url="127.0.0.1:1"))  # refused before Triton is asked anything

@@ -236,6 +236,18 @@ def test_assistant_tool_calls_in_vllms_lenient_forms_render(scripted):
                                       '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
 
 
+def test_histories_clients_send_back_are_taken(scripted):
+    """An empty ``tool_calls`` on any message (some clients send one on each) and a reply the openai SDK
+    serialized with ``model_dump()`` (it carries ``annotations``, ``refusal``, ``audio``)."""
+    SCRIPT.update(pieces=["ok"], finish="stop")
+    dumped = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None}
+    messages = [{"role": "user", "content": "hi", "tool_calls": []}, dumped, {"role": "user", "content": "again"}]
+    reply = scripted.post("/v1/chat/completions", json={"model": "llm", "messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == "ok"
+
+
 def test_a_named_choice_finishes_with_stop_and_required_with_tool_calls(scripted):
     """As at OpenAI and vLLM: ``tool_calls`` where the model chose to call (auto, required), ``stop`` for the
     call a named choice asked for; ``length`` wherever max_tokens cut the reply."""

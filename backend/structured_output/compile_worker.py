@@ -10,8 +10,9 @@ in both directions are frames: an 8-byte big-endian length, then that many bytes
 
 - Parent to worker, first: the tokenizer's ``xgrammar.TokenizerInfo`` as JSON (``serialize_json``).
 - Worker to parent: ``R`` once ready.
-- Parent to worker, then, per compile: JSON ``[method, argument]``, method one of ``json_schema``, ``regex``,
-  ``grammar`` (EBNF).
+- Parent to worker, then, per compile: JSON ``[method, argument, cpu_seconds]``, method one of ``json_schema``,
+  ``regex``, ``grammar`` (EBNF); the child gets ``cpu_seconds`` (whole seconds) as its CPU time limit
+  (``RLIMIT_CPU``: the kernel ends it with SIGXCPU there), so a compile nobody waits for any more ends too.
 - Worker to parent, per compile: ``P`` + the child's process id (ASCII) when it starts; then ``G`` + the
   ``CompiledGrammar`` as JSON, or ``I`` + xgrammar's message (the constraint is invalid or unsupported), or
   ``E`` + a message (anything else), or ``K`` + the child's wait status when it ended without a reply (killed).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import struct
 import sys
@@ -78,12 +80,13 @@ def main(nice: int) -> None:
         if previous is not None:
             os.waitpid(previous, 0)
             previous = None
-        method, argument = json.loads(frame)
+        method, argument, cpu_seconds = json.loads(frame)
         readable, writable = os.pipe()
         child = os.fork()
         if child == 0:
             os.close(readable)
             _die_with_parent()
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))  # SIGXCPU, then SIGKILL
             with os.fdopen(writable, "wb") as reply:
                 write_frame(reply, _compile(compiler, method, argument))
             os._exit(0)

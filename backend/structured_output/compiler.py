@@ -4,6 +4,8 @@ compile in a worker process with a deadline (``compile_worker``), killed when it
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import queue
 import re
@@ -22,6 +24,8 @@ from backend.errors import EngineOverloadedError
 from backend.structured_output.compile_worker import read_frame, write_frame
 from backend.structured_output.params import StructuredOutputsParams
 from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (each holds per-state token masks: tens of KiB to MiB)
 DEFAULT_COMPILE_TIMEOUT = 10.0  # CPU seconds one compile may use before its constraint is refused
@@ -80,6 +84,7 @@ class GrammarCompiler:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._processes: dict[int, _CompileProcess] = {}  # by worker thread (its ident), while it has one
+        self._ready_since = float("inf")  # time.monotonic() when the first compile process was ready
         self.num_compiled = 0
         self.num_cache_hits = 0
 
@@ -135,7 +140,10 @@ class GrammarCompiler:
         while True:
             waited = time.monotonic() - waited_from
             if not job.future.running() and not job.future.done():  # still queued
-                budget = self.compile_timeout - waited
+                if self._ready_since == float("inf"):  # no compile process ready yet (they start at the first)
+                    budget = min(PROCESS_START_TIMEOUT_S - waited, 0.5)
+                else:  # the queue's clock starts once one is
+                    budget = self.compile_timeout - (time.monotonic() - max(waited_from, self._ready_since))
                 if budget <= 0 and job.future.cancel():
                     with self._lock:
                         self._pending.pop(job.key, None)
@@ -144,9 +152,7 @@ class GrammarCompiler:
             elif not job.future.done():
                 used = job.cpu_seconds()
                 if used >= self.compile_timeout:
-                    refused = _Refused(f"invalid structured_outputs.{job.params.kind}: compiling it took over "
-                                       f"{self.compile_timeout:g} s of CPU time (compile_timeout); simplify it")
-                    self._store(job.key, refused)
+                    refused = self._too_slow(job)
                     job.stop()  # its process is killed: the compile slot and the core are free again
                     return _unwrap(refused)
                 # Wall time counts from when its child began to compile: a compile process that is starting
@@ -181,16 +187,21 @@ class GrammarCompiler:
             if process is None:
                 process = _CompileProcess(self._get_tokenizer_info()[1])
                 self._processes[threading.get_ident()] = process
-            reply = process.compile(*_xgrammar_call(job.params), on_start=job.attach)
+            # The kernel's limit ends a compile that nobody waits for any more (after a 503) at the deadline too.
+            limit = max(1, math.ceil(self.compile_timeout))
+            reply = process.compile(*_xgrammar_call(job.params), limit, on_start=job.attach)
             job.detach()
-            if reply is None:  # the worker process died
+            if reply is None:  # the worker process died (killed, or out of memory): not the constraint's fault
                 code, process = process.close(), None
-                raise RuntimeError(f"the grammar compile process exited (code {code})")
+                raise EngineOverloadedError(f"the grammar compile process exited (code {code}); try again later")
             if reply[:1] == b"K":
-                if not job.stopped:
-                    raise RuntimeError(f"the grammar compile ended without a result (wait status {reply[1:].decode()})")
-                job.future.set_exception(ValueError("refused at its deadline"))  # nobody waits on it any more
-                return process
+                status = int(reply[1:])
+                if job.stopped or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
+                    refused = self._too_slow(job)
+                    job.future.set_exception(ValueError(refused.message))
+                    return process
+                raise EngineOverloadedError(f"the grammar compile ended without a result (wait status {status}); "
+                                            f"try again later")
             status, payload = reply[:1], reply[1:].decode(errors="replace")
             if status == b"G":
                 import xgrammar
@@ -213,6 +224,13 @@ class GrammarCompiler:
                 self._pending.pop(job.key, None)
         return process
 
+    def _too_slow(self, job: "_Job") -> "_Refused":
+        """Refuses ``job``'s constraint for using its CPU seconds, and remembers it (stays refused)."""
+        refused = _Refused(f"invalid structured_outputs.{job.params.kind}: compiling it took over "
+                           f"{self.compile_timeout:g} s of CPU time (compile_timeout); simplify it")
+        self._store(job.key, refused)
+        return refused
+
     def _store(self, key: tuple[str, str], value: object, from_compile: bool = False) -> None:
         with self._lock:
             if from_compile and isinstance(self._cache.get(key), _Refused):
@@ -234,7 +252,15 @@ class GrammarCompiler:
             self._workers.append(worker)
 
     def _work(self, jobs: queue.SimpleQueue) -> None:
-        process = None
+        """A worker thread: starts its process at once (every worker's at the first compile, together: importing
+        xgrammar takes seconds), then compiles the jobs it takes."""
+        try:
+            process = self._processes[threading.get_ident()] = _CompileProcess(self._get_tokenizer_info()[1])
+            with self._lock:
+                self._ready_since = min(self._ready_since, time.monotonic())
+        except Exception:  # started again, and reported, with the first job
+            log.exception("starting a grammar compile process failed")
+            process = None
         while (job := jobs.get()) is not None:
             process = self._run(job, process)
             if process is None:
@@ -250,6 +276,7 @@ class GrammarCompiler:
             jobs, self._jobs = self._jobs, queue.SimpleQueue()
             workers, self._workers = self._workers, []
             processes = list(self._processes.values())
+            self._ready_since = float("inf")
         for _ in workers:
             jobs.put(None)
         for process in processes:
@@ -294,11 +321,12 @@ class _CompileProcess:
             raise RuntimeError(f"the grammar compile process ({python} {WORKER_SCRIPT.name}) did not start "
                                f"(exit code {self.exit_code()}; its error is in the server's log)")
 
-    def compile(self, method: str, argument: str, on_start) -> bytes | None:
+    def compile(self, method: str, argument: str, cpu_seconds: int, on_start) -> bytes | None:
         """The reply to one compile (status byte + payload, see ``compile_worker``), or None when the worker
-        process is gone. ``on_start(pid)`` is called with the process id of the child that compiles."""
+        process is gone. ``on_start(pid)`` is called with the process id of the child that compiles, which the
+        kernel ends after ``cpu_seconds`` of CPU time."""
         try:
-            write_frame(self.process.stdin, json.dumps([method, argument]).encode())
+            write_frame(self.process.stdin, json.dumps([method, argument, cpu_seconds]).encode())
             started = read_frame(self.process.stdout)
             if started is None or started[:1] != b"P":
                 return None
