@@ -286,39 +286,55 @@ def test_cancelled_waiting_requests_are_never_scheduled(triton_server):
     prompt_tokens_before, aborts_before = settled(lambda: (
         m("llm_prompt_tokens_total", version="1"),
         m("llm_request_finished_total", finish_reason="abort", version="1")))
-    running = [_open_stream(triton_server, f"Story {i}: once upon a time", 300) for i in range(16)]
-    deadline = time.monotonic() + 60
-    while m("llm_num_requests_running", version="1") < 16:
-        assert time.monotonic() < deadline, "16 requests never ran"
-        time.sleep(0.05)
-    waiting = [_open_stream(triton_server, f"Waiting request number {i} asks a question", 50) for i in range(6)]
-    while m("llm_num_requests_waiting", version="1") < 6:
-        assert time.monotonic() < deadline, "6 requests never waited"
-        time.sleep(0.05)
-    # The engine's stats are one snapshot per step: the one that first showed 16 running counted their prompts
-    # (all prefilled in that step), and it was published in full before the later one showing 6 waiting.
-    prompt_tokens_running = m("llm_prompt_tokens_total", version="1") - prompt_tokens_before
-    assert prompt_tokens_running >= 16 * 8  # each running prompt is at least 8 tokens
-    for client in waiting + running:  # the waiting ones first, then at once the running ones: slots free up
-        client.stop_stream(cancel_requests=True)
-    deadline = time.monotonic() + 10
-    while (m("llm_kv_cache_blocks_used", version="1") > 0 or m("llm_num_requests_running", version="1") > 0
-           or m("llm_num_requests_waiting", version="1") > 0):
-        assert time.monotonic() < deadline, "cancelled requests were not dropped"
-        time.sleep(0.05)
-    while m("llm_request_finished_total", finish_reason="abort", version="1") - aborts_before < 22:
-        assert time.monotonic() < deadline, "not every cancelled request was counted as aborted"
-        time.sleep(0.05)
-    assert m("llm_request_finished_total", finish_reason="abort", version="1") - aborts_before == 22
-    assert m("llm_prompt_tokens_total", version="1") - prompt_tokens_before == prompt_tokens_running
-    for client in running + waiting:
-        client.close()
+    first_responses: dict[int, tuple] = {}  # running stream -> its first (result, error)
+    running, waiting = [], []
+    try:
+        for i in range(16):
+            running.append(_open_stream(triton_server, f"Story {i}: once upon a time", 300,
+                                        lambda result, error, i=i: first_responses.setdefault(i, (result, error))))
+        deadline = time.monotonic() + 60
+        while m("llm_num_requests_running", version="1") < 16:
+            assert time.monotonic() < deadline, "16 requests never ran"
+            time.sleep(0.05)
+        # A prompt is counted at its first token, while a request counts as running from its first prefill
+        # chunk on (the step time budget can spread a prefill over steps): wait for every running stream's
+        # first token, then for the counter to be published, before reading it.
+        while len(first_responses) < 16:
+            assert time.monotonic() < deadline, f"only {len(first_responses)} of 16 streams got a first token"
+            time.sleep(0.05)
+        assert [error for _, error in first_responses.values() if error is not None] == []
+        prompt_tokens_running = settled(lambda: m("llm_prompt_tokens_total", version="1")) - prompt_tokens_before
+        assert prompt_tokens_running >= 16 * 8  # each running prompt is at least 8 tokens
+        waiting += [_open_stream(triton_server, f"Waiting request number {i} asks a question", 50)
+                    for i in range(6)]
+        while m("llm_num_requests_waiting", version="1") < 6:
+            assert time.monotonic() < deadline, "6 requests never waited"
+            time.sleep(0.05)
+        for client in waiting + running:  # the waiting ones first, then at once the running ones: slots free up
+            client.stop_stream(cancel_requests=True)
+        deadline = time.monotonic() + 10
+        while (m("llm_kv_cache_blocks_used", version="1") > 0 or m("llm_num_requests_running", version="1") > 0
+               or m("llm_num_requests_waiting", version="1") > 0):
+            assert time.monotonic() < deadline, "cancelled requests were not dropped"
+            time.sleep(0.05)
+        while m("llm_request_finished_total", finish_reason="abort", version="1") - aborts_before < 22:
+            assert time.monotonic() < deadline, "not every cancelled request was counted as aborted"
+            time.sleep(0.05)
+        assert m("llm_request_finished_total", finish_reason="abort", version="1") - aborts_before == 22
+        assert m("llm_prompt_tokens_total", version="1") - prompt_tokens_before == prompt_tokens_running
+    finally:
+        # Cancel before closing (a plain close waits for the requests to finish), so that a failed assertion
+        # does not leave 300-token streams running into the next tests on this server.
+        for client in waiting + running:
+            client.stop_stream(cancel_requests=True)
+            client.close()
     wait_idle(triton_server)
 
 
-def _open_stream(server, prompt: str, max_tokens: int) -> grpcclient.InferenceServerClient:
+def _open_stream(server, prompt: str, max_tokens: int, callback=None) -> grpcclient.InferenceServerClient:
+    """A gRPC stream running one request for ``prompt``; ``callback(result, error)`` gets its responses."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: None)
+    client.start_stream(callback=callback or (lambda result, error: None))
     client.async_stream_infer("llm", [tensor("text_input", prompt), tensor("stream", True),
                                       tensor("max_tokens", max_tokens), tensor("ignore_eos", True)],
                               model_version="1", request_id=uuid.uuid4().hex)
