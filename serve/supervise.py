@@ -113,13 +113,19 @@ class Supervisor:
     def run(self) -> int:
         """Returns the exit status (see :func:`serve.launch.run_together` for the signal case): the status of a
         child that ended and is not restarted, 1 after giving up on a fault."""
-        for child in self.children:
-            child.start()
+        # The handlers come before the children: a signal while they start is then a request to stop like any
+        # other, not the death of this process (with no drain, and its children stopped only by their
+        # PR_SET_PDEATHSIG).
         previous = {sig: signal.signal(sig, lambda signum, frame: self.signals.append((signum, time.monotonic())))
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         status, drain = None, False
         try:
-            status, drain = self._loop()
+            for child in self.children:
+                if self.signals:  # asked to stop before every child started: start no more, drain nothing
+                    break
+                child.start()
+            else:
+                status, drain = self._loop()
             if drain and self.drain is not None:
                 self.drain(self._asked_again)
         finally:
@@ -127,7 +133,8 @@ class Supervisor:
                 signal.signal(sig, handler)
         terminated = self._stop_all()
         if status is None:  # stopped by a signal: 0 when every child stopped cleanly
-            status = next((c.process.returncode for c in self.children if c.process.returncode != 0
+            status = next((c.process.returncode for c in self.children if c.process is not None
+                           and c.process.returncode != 0
                            and not (c.pid in terminated and c.process.returncode == -signal.SIGTERM)), 0)
         # sys.exit(-15) would exit 241 (the status modulo 256): report death by signal N as a shell does.
         return 128 - status if status < 0 else status
@@ -199,13 +206,15 @@ class Supervisor:
         server.start()
 
     def _stop_all(self) -> set[int]:
-        """SIGTERM to every running child, SIGKILL after ``STOP_TIMEOUT_S``; returns the pids sent SIGTERM."""
+        """SIGTERM to every running child, SIGKILL after ``STOP_TIMEOUT_S``; returns the pids sent SIGTERM.
+        (Children never started, the run having been stopped while it started them, are skipped.)"""
+        started = [child for child in self.children if child.process is not None]
         terminated = set()
-        for child in self.children:
+        for child in started:
             if child.process.poll() is None:
                 child.process.terminate()
                 terminated.add(child.pid)
-        for child in self.children:
+        for child in started:
             try:
                 child.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

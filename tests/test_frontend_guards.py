@@ -7,11 +7,13 @@ listens: every check here answers before Triton would be asked. With a server: t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import requests
 
@@ -20,7 +22,7 @@ from openai_frontend.auth import load_api_key
 from openai_frontend.limits import Limits
 from serve import control
 from serve.launch import REPO_ROOT
-from triton_server import free_port, serve_app, status_before_the_body
+from triton_server import eventually, free_port, serve_app, status_before_the_body
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -290,9 +292,47 @@ def test_sigterm_to_the_launcher_loop_exits_0_when_children_stop_cleanly(child, 
     script = ("import sys; from serve.launch import run_together; "
               f"sys.exit(run_together([[sys.executable, '-c', {child!r}]], None))")
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
-    time.sleep(2)  # the child is up
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(30) == status
+    try:
+        # The launcher and its child both answer SIGTERM their own way: signal once both can. (The child is
+        # known by its command line: forked but not yet exec'd, it still has the launcher's handlers.)
+        eventually(lambda: catches_sigterm(process.pid), "the launcher never caught SIGTERM", timeout_s=30)
+        eventually(lambda: any(c.cmdline()[-1:] == [child] and catches_sigterm(c.pid)
+                               for c in psutil.Process(process.pid).children()),
+                   "the launcher's child never caught SIGTERM", timeout_s=30)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == status
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_sigterm_while_the_launcher_starts_its_children_stops_it_cleanly():
+    """The launcher catches SIGTERM before it starts its children: one that comes meanwhile starts no more of
+    them, stops those started, and the launcher exits 0 without a drain."""
+    from serve.supervise import Child, Supervisor
+
+    class SignalledAtStart(Child):
+        def start(self) -> None:
+            super().start()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    first, second = SignalledAtStart("first", sleeper), Child("second", sleeper)
+    drains, handler = [], signal.getsignal(signal.SIGTERM)
+    assert Supervisor([first, second], drain=drains.append).run() == 0
+    assert first.process.returncode == -signal.SIGTERM and second.process is None and drains == []
+    assert signal.getsignal(signal.SIGTERM) is handler  # the launcher's handlers are gone again
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler of its own (bit 15 of ``SigCgt`` in /proc/<pid>/status);
+    False for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+    except FileNotFoundError:
+        return False
+    return bool(caught & 1 << (signal.SIGTERM - 1))
 
 
 DRAIN_SCRIPT = """
@@ -319,12 +359,18 @@ def test_a_repeated_sigterm_cuts_the_drain_short_only_when_it_comes_a_second_lat
     already: two signals close together are one request to stop, and the drain runs to its end."""
     process = subprocess.Popen([sys.executable, "-c", DRAIN_SCRIPT], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                text=True)
-    time.sleep(2)  # the child is up
-    process.send_signal(signal.SIGTERM)
-    time.sleep(gap_s)
-    process.send_signal(signal.SIGTERM)
-    out, _ = process.communicate(timeout=30)
-    assert out.split() == outcome.split() and process.returncode == 0
+    try:
+        # A signal before the child starts would stop the launcher with nothing to drain.
+        eventually(lambda: catches_sigterm(process.pid), "the launcher never caught SIGTERM", timeout_s=30)
+        eventually(lambda: psutil.Process(process.pid).children(), "the launcher started no child", timeout_s=30)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(gap_s)
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+        assert out.split() == outcome.split() and process.returncode == 0
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_a_body_that_is_not_json_is_a_400_that_says_why(frontend):
