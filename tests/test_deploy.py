@@ -26,7 +26,7 @@ import requests
 import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
-from triton_server import free_port, start_server, stop_server
+from triton_server import free_port, free_ports, start_server, stop_server
 from vllm_kv_schema import decode_positional, local, receive_all, replay
 
 from serve.launch import DEFAULT_MODEL_REPOSITORY
@@ -359,7 +359,7 @@ def replicas(tmp_path_factory):
         # The CPU overlay's settings with the gateway overlay's KV events, as an operator combining the two.
         settings = {**engine_settings(docs), **{key: value for key, value in gateway_settings.items()
                                                 if key.startswith("kv_events")}}
-        events, replay_port = free_port(), free_port()
+        events, replay_port = free_ports(2)
         settings["kv_events_endpoint"] = settings["kv_events_endpoint"].replace(":5557", f":{events}")
         settings["kv_events_replay_endpoint"] = settings["kv_events_replay_endpoint"].replace(":5558", f":{replay_port}")
         if index == 1:

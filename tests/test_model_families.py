@@ -212,7 +212,7 @@ def test_server_refuses_to_start_with_an_unsupported_model(tmp_path, tokenizer):
     import subprocess
 
     from serve.launch import DEFAULT_MODEL_REPOSITORY, build_command
-    from triton_server import free_port
+    from triton_server import free_ports
 
     model_dir = tmp_path / "mamba"
     AutoConfig.for_model("mamba", vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2).save_pretrained(
@@ -223,7 +223,7 @@ def test_server_refuses_to_start_with_an_unsupported_model(tmp_path, tokenizer):
     shutil.copy(DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt", repository / "llm")
     shutil.copy(DEFAULT_MODEL_REPOSITORY / "llm" / "2" / "model.py", repository / "llm" / "1")
     (repository / "llm" / "1" / "engine.json").write_text(json.dumps({"model": str(model_dir)}))
-    command = build_command(repository, free_port(), free_port(), free_port())
+    command = build_command(repository, *free_ports(3))
     result = subprocess.run(command.argv, env=command.env, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
     log = result.stdout + result.stderr

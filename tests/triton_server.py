@@ -5,10 +5,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +78,33 @@ def settled(read, timeout_s: float = 10.0):
     raise AssertionError(f"metrics still changing after {timeout_s} s: {value}")
 
 
+_handed_out: set[int] = set()  # every port free_ports() returned in this process
+_handed_out_lock = threading.Lock()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports, free now and not returned before in this process. The sockets that
+    find them stay bound until all are found, so the kernel cannot offer one twice. (Another process can still
+    take one before its user binds it: see :func:`_start_on_free_ports`.)"""
+    sockets = []
+    try:
+        with _handed_out_lock:
+            ports = []
+            while len(ports) < count:
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", 0))
+                port = sockets[-1].getsockname()[1]
+                if port not in _handed_out:
+                    ports.append(port)
+                    _handed_out.add(port)
+            return ports
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 DEFAULT_VERSION_POLICY = "version_policy: { latest: { num_versions: 1 } }"  # model_repository/llm/config.pbtxt
@@ -156,15 +181,15 @@ def start_server(log_path: Path, extra_args: list[str] | None = None, model_repo
                  env: dict[str, str] | None = None) -> TritonServer:
     """Starts tritonserver on ``model_repository`` (default: the project's), with ``env`` added to the
     environment; returns once it reports ready."""
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    command = build_command(**({"model_repository": model_repository} if model_repository else {}),
-                            http_port=http, grpc_port=grpc, metrics_port=metrics,
-                            extra_args=["--metrics-interval-ms=200", *(extra_args or [])])
-    log = open(log_path, "wb")
-    process = subprocess.Popen(command.argv, env={**command.env, **(env or {})}, stdout=log,
-                               stderr=subprocess.STDOUT)
-    return _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
-                                    f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+    def start(http: int, grpc: int, metrics: int) -> TritonServer:
+        command = build_command(**({"model_repository": model_repository} if model_repository else {}),
+                                http_port=http, grpc_port=grpc, metrics_port=metrics,
+                                extra_args=["--metrics-interval-ms=200", *(extra_args or [])])
+        process = subprocess.Popen(command.argv, env={**command.env, **(env or {})}, stdout=open(log_path, "wb"),
+                                   stderr=subprocess.STDOUT)
+        return _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                                        f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+    return _start_on_free_ports(start)
 
 
 def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[str] | None = None,
@@ -172,14 +197,16 @@ def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[s
     """Starts ``python -m serve`` on ``model_repository`` (the OpenAI frontend on ``openai_port``, 0: none), with
     ``env`` added to the environment; ``process`` is the launcher, which supervises tritonserver. Returns once
     the server (and the frontend, if any) reports ready."""
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    argv = [sys.executable, "-m", "serve", f"--model-repository={model_repository}", f"--http-port={http}",
-            f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--openai-port={openai_port}",
-            "--metrics-interval-ms=200", *(launcher_args or [])]
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                               env={**os.environ, **(env or {})})
-    server = _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
-                                      f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+    def start(http: int, grpc: int, metrics: int) -> TritonServer:
+        argv = [sys.executable, "-m", "serve", f"--model-repository={model_repository}", f"--http-port={http}",
+                f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--openai-port={openai_port}",
+                "--metrics-interval-ms=200", *(launcher_args or [])]
+        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+        return _wait_ready(TritonServer(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                                        f"http://127.0.0.1:{metrics}/metrics", process, log_path))
+    server = _start_on_free_ports(start)
+    process = server.process
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while openai_port and not _answers(f"http://127.0.0.1:{openai_port}/health"):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -189,15 +216,45 @@ def start_launcher(log_path: Path, model_repository: Path, launcher_args: list[s
     return server
 
 
+START_ATTEMPTS = 3
+# What tritonserver (2.51) logs, then exits 1, when one of its ports is taken:
+# failed to start HTTP service: Unavailable - Socket '127.0.0.1:39407' already in use
+PORT_TAKEN = re.compile(r"failed to start (HTTP|GRPC|Metrics) service: .* already in use")
+
+
+class PortTaken(RuntimeError):
+    """tritonserver exited because another process had bound one of its ports."""
+
+
+def _start_on_free_ports(start) -> TritonServer:
+    """``start(http_port, grpc_port, metrics_port)`` on distinct free ports. tritonserver binds them only once
+    its models have loaded (tens of seconds), so another process (a test run beside this one) can take one
+    meanwhile: then it starts again on new ports, up to :data:`START_ATTEMPTS` times in all."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return start(*free_ports(3))
+        except PortTaken:
+            if attempt == START_ATTEMPTS:
+                raise
+
+
 def _wait_ready(server: TritonServer) -> TritonServer:
     """Returns once the server reports ready and its metrics endpoint answers: Triton starts the metrics service
-    after the HTTP one (seen 43 ms later), so a test reading metrics at once could be refused."""
+    after the HTTP one (seen 43 ms later), so a test reading metrics at once could be refused.
+
+    Raises:
+        PortTaken: it exited because one of its ports was taken.
+        RuntimeError: it exited otherwise, or was not ready within :data:`STARTUP_TIMEOUT_S`.
+    """
     process = server.process
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not (server.is_ready() and _answers(server.metrics_url)):
-        if process.poll() is not None or time.monotonic() > deadline:
+        exited = process.poll() is not None
+        if exited or time.monotonic() > deadline:
             stop_server(server)
-            raise RuntimeError(f"tritonserver did not become ready:\n{server.log()[-5000:]}")
+            log = server.log()
+            error = PortTaken if exited and PORT_TAKEN.search(log) else RuntimeError
+            raise error(f"tritonserver did not become ready:\n{log[-5000:]}")
         time.sleep(0.5)
     return server
 
