@@ -10,6 +10,7 @@ import codecs
 import json
 import re
 import time
+import uuid
 
 import openai
 import pytest
@@ -398,9 +399,11 @@ def test_client_that_leaves_before_the_first_token_cancels_the_request_there(fro
                 triton_server.metric("llm_generation_tokens_total", version="2"))
 
     aborts, generated = settled(counters)
-    prompt = f"{'Streamed' if stream else 'Whole'}: " + "The history of every river, " * 2000  # no prefix-cache hit
+    prompt = f"{'Streamed' if stream else 'Whole'}: " + "The history of every river, " * 2000
     ids = tokenizer.encode(prompt)[:4000]
-    body = {"model": "llm", "prompt": ids, "max_tokens": 50, "ignore_eos": True, "stream": stream}
+    # A salt of its own: no prefix-cache hit, even when the test runs again on the same server.
+    body = {"model": "llm", "prompt": ids, "max_tokens": 50, "ignore_eos": True, "stream": stream,
+            "cache_salt": uuid.uuid4().hex}
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(f"{frontend}/v1/completions", json=body, timeout=(5, 0.3))
     deadline = time.monotonic() + 60  # the abort lands when the first prefill step ends (seconds on 2 cores)
