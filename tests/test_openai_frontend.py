@@ -366,16 +366,24 @@ def test_streamed_echo_with_logprobs_and_n_starts_every_choice_with_the_prompt(c
 
 def test_make_serve_stops_tritonserver_and_the_frontend_together():
     """``serve.launch.run_together``: when one child ends, the other is stopped and its status returned."""
-    import subprocess
     import sys
 
+    import psutil
+
     from serve.launch import run_together
+
+    def command_line(process: psutil.Process) -> list[str]:
+        try:
+            return process.cmdline()
+        except psutil.Error:  # ended meanwhile
+            return []
 
     start = time.monotonic()
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     assert run_together([sleeper, [sys.executable, "-c", "import sys; sys.exit(3)"]], env=None) == 3
     assert time.monotonic() - start < 20
-    assert subprocess.run(["pgrep", "-f", "time.sleep.60."], capture_output=True).stdout == b""
+    # This process's own descendants only: other processes on the machine may run the same command.
+    assert [p.pid for p in psutil.Process().children(recursive=True) if command_line(p) == sleeper] == []
 
 
 @pytest.mark.server
