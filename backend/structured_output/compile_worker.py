@@ -86,7 +86,7 @@ def main(nice: int) -> None:
         if child == 0:
             os.close(readable)
             _die_with_parent()
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))  # SIGXCPU, then SIGKILL
+            _limit_cpu(cpu_seconds)
             with os.fdopen(writable, "wb") as reply:
                 write_frame(reply, _compile(compiler, method, argument))
             os._exit(0)
@@ -100,6 +100,16 @@ def main(nice: int) -> None:
         else:
             previous = child
         write_frame(out, reply)
+
+
+def _limit_cpu(seconds: int) -> None:
+    """SIGXCPU after ``seconds`` of CPU time, SIGKILL a second later, within the hard limit this process has."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard != resource.RLIM_INFINITY:
+        seconds = min(seconds, max(hard - 1, 1))
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, hard))
+    else:
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
 
 
 def _compile(compiler, method: str, argument: str) -> bytes:
