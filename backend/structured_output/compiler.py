@@ -185,8 +185,7 @@ class GrammarCompiler:
                 process.close()
                 process = None
             if process is None:
-                process = _CompileProcess(self._get_tokenizer_info()[1])
-                self._processes[threading.get_ident()] = process
+                process = self._start_process()
             # The kernel's limit ends a compile that nobody waits for any more (after a 503) at the deadline too.
             limit = max(1, math.ceil(self.compile_timeout))
             reply = process.compile(*_xgrammar_call(job.params), limit, on_start=job.attach)
@@ -202,14 +201,14 @@ class GrammarCompiler:
                     return process
                 raise EngineOverloadedError(f"the grammar compile ended without a result (wait status {status}); "
                                             f"try again later")
-            status, payload = reply[:1], reply[1:].decode(errors="replace")
-            if status == b"G":
+            kind, payload = reply[:1], reply[1:].decode(errors="replace")
+            if kind == b"G":
                 import xgrammar
 
                 compiled = xgrammar.CompiledGrammar.deserialize_json(payload, self._tokenizer_info[0])
                 self._store(job.key, compiled, from_compile=True)
                 job.future.set_result(compiled)
-            elif status == b"I":
+            elif kind == b"I":
                 text = payload.strip()
                 message = _NATIVE_PREFIX.sub("", text).splitlines()[0][:500] if text else "invalid"
                 refused = _Refused(f"invalid structured_outputs.{job.params.kind}: {message}")
@@ -255,9 +254,7 @@ class GrammarCompiler:
         """A worker thread: starts its process at once (every worker's at the first compile, together: importing
         xgrammar takes seconds), then compiles the jobs it takes."""
         try:
-            process = self._processes[threading.get_ident()] = _CompileProcess(self._get_tokenizer_info()[1])
-            with self._lock:
-                self._ready_since = min(self._ready_since, time.monotonic())
+            process = self._start_process()
         except Exception:  # started again, and reported, with the first job
             log.exception("starting a grammar compile process failed")
             process = None
@@ -268,6 +265,13 @@ class GrammarCompiler:
         self._processes.pop(threading.get_ident(), None)
         if process is not None:
             process.close()
+
+    def _start_process(self) -> "_CompileProcess":
+        """Starts the calling worker thread's compile process. Raises what ``_CompileProcess`` raises."""
+        process = self._processes[threading.get_ident()] = _CompileProcess(self._get_tokenizer_info()[1])
+        with self._lock:
+            self._ready_since = min(self._ready_since, time.monotonic())
+        return process
 
     def close(self) -> None:
         """Stops the compile threads and kills their processes; a later compile starts new ones. Compiles in
