@@ -160,14 +160,14 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 32, 33, 48, 64, 65, 203, 256, 301, 2050])
 def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
-    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512 or AVX2) against an fp64 reference
-    and oneDNN's GEMM (what runs for larger batches): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles
+    """The decode GEMM (bf16 on AMX or with AVX512-BF16 dot products, fp32 on AVX-512, both on AVX2) against an fp64
+    reference and oneDNN's GEMM (what runs for larger batches; F.linear for bf16 where oneDNN has no bf16): full and partial 16-row tiles and 6-row blocks, 2 and 3 tiles
     of rows with several blocks of outputs per pass (and block counts that leave a remainder), many passes of rows
     over a group of outputs (while the next group is prefetched), a bias, K of one and of many tiles, output
     counts that are and are not multiples of 64; on AVX2 (every GEMM), rows in several panels and K in two chunks
     (1536 = 1024 + 512)."""
     if not kernels.cpu.small_gemm_available(dtype):
-        pytest.skip(f"no small_gemm for {dtype} on this CPU (bf16 needs AMX or AVX512-BF16, fp32 AVX-512 or AVX2)")
+        pytest.skip(f"no small_gemm for {dtype} on this CPU (AMX, AVX512-BF16 (bf16), AVX-512 (fp32) or AVX2)")
     if rows > kernels.cpu.small_gemm_max_rows(dtype):
         pytest.skip(f"small_gemm takes at most {kernels.cpu.small_gemm_max_rows(dtype)} rows here (AMX, AVX2)")
     torch.manual_seed(rows)
@@ -181,37 +181,44 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
         else:
             torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-3)  # one bf16 rounding
-            onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, None),
-                                                        bias, "none", [], "")
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                onednn = torch.ops.mkldnn._linear_pointwise(
+                    x, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias, "none", [], "")
+            else:  # AVX2: no bf16 in oneDNN
+                onednn = F.linear(x, weight, bias)
             assert (got != onednn).float().mean() < 1e-3
 
 
 @pytest.mark.skipif(not kernels.cpu.small_gemm_available(torch.float32)
                     or kernels.cpu.small_gemm_max_rows(torch.float32) != kernels.cpu.EVERY_GEMM,
-                    reason="small_gemm takes every fp32 GEMM only on AVX2 without AVX-512")
-def test_linear_on_avx2_keeps_one_copy_and_takes_every_fp32_gemm(monkeypatch):
+                    reason="small_gemm takes every GEMM only on AVX2 without AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_on_avx2_keeps_one_copy_and_takes_every_gemm(monkeypatch, dtype):
     from backend import cpu_ops
     from backend.models.layers import Linear
 
     torch.manual_seed(11)
-    weight, bias = torch.randn(96, 64) * 0.1, torch.randn(96) * 0.1
+    weight, bias = (torch.randn(96, 64) * 0.1).to(dtype), (torch.randn(96) * 0.1).to(dtype)
     linear = Linear(weight, bias, small_batch=True)
-    assert linear.weight is None and linear.small_batch.shape == (6, 64, 16)  # the tile layout only
+    packed_shape = (6, 64, 16) if dtype == torch.float32 else (6, 32, 16, 2)
+    assert linear.weight is None and linear.small_batch.shape == packed_shape  # the tile layout only
     calls = []
     original = kernels.cpu.small_gemm
     monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args),
                         raising=False)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     for rows in (0, 1, 5, 300, 2100):
-        x = torch.randn(rows, 64)
+        x = torch.randn(rows, 64).to(dtype)
         got = linear(x)
-        assert got.shape == (rows, 96)
-        torch.testing.assert_close(got.double(), F.linear(x.double(), weight.double(), bias.double()),
-                                   rtol=1e-5, atol=1e-5)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), F.linear(x.double(), weight.double(), bias.double()), **tolerance)
     assert calls == [1, 5, 300, 2100]  # no rows: an empty result without a call
     assert Linear(weight, bias).weight is not None  # without small_batch, oneDNN's copy
 
 
-@pytest.mark.skipif(not kernels.cpu.small_gemm_available(), reason="no AMX or AVX512-BF16 on this CPU")
+@pytest.mark.skipif(not kernels.cpu.small_gemm_available()
+                    or kernels.cpu.small_gemm_max_rows(torch.bfloat16) == kernels.cpu.EVERY_GEMM,
+                    reason="no AMX or AVX512-BF16 on this CPU (on AVX2, small_gemm takes every GEMM)")
 def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above(monkeypatch):
     from backend import cpu_ops
     from backend.models.layers import Linear

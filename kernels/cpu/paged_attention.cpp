@@ -11,8 +11,9 @@
 // keys are scored with AVX512-BF16's `vdpbf16ps` (pairs of exact products summed in fp32) where the CPU has it.
 // With AMX (bf16, blocks of whole 16-token tiles) `amx_decode_kernel` scores the keys on tiles instead, so that
 // the kernel's time is close to that of a plain reader of the same blocks.
-// On CPUs with AVX2 but no AVX-512 the fp32 tiles and the prefill block are written with 8-lane intrinsics instead
-// (`attend_tile_avx2`, the AVX2 `attend_tile_block`): GCC lowers the 16-float vector type there through the stack.
+// On CPUs with AVX2 but no AVX-512 the decode tiles (fp32, and bf16 widened as it loads) and the fp32 prefill block
+// are written with 8-lane intrinsics instead (`attend_tile_avx2`, the AVX2 `attend_tile_block`): GCC lowers the
+// 16-float vector type there through the stack.
 // `generic_kernel` serves every other shape and fp16. `prefill_tile_kernel` (below) does the prompt rows of a
 // step, causal, over the same blocks (FlashAttention's tiling over query rows and keys, Dao et al. 2022).
 #include "common.h"
@@ -33,6 +34,15 @@
 
 namespace llm_cpu {
 namespace {
+
+// Whether tile_kernel's AVX2 path reads T's cache rows in place (fp32 and bf16 there), rather than through fp32
+// copies of each tile.
+template <typename T>
+#if defined(LLM_AVX2_ONLY)
+constexpr bool AVX2_READS_IN_PLACE = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
+#else
+constexpr bool AVX2_READS_IN_PLACE = false;
+#endif
 
 template <typename T>
 void generic_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
@@ -332,6 +342,13 @@ inline void attend_tile(const T* const* q_raw, const vf16* qv, const T* const* k
 }
 
 #if defined(LLM_AVX2_ONLY)
+// 8 consecutive elements of a cache row as fp32: bf16 widened exactly (zero-extended to 32 bits, shifted up 16).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // Lane j of the result = the sum of v[j]'s 8 lanes: eight horizontal sums in six hadds and one add (one reduction
 // per 8 keys instead of one per key).
 inline __m256 sum8x8(const __m256* v) {
@@ -344,8 +361,8 @@ inline __m256 sum8x8(const __m256* v) {
 // acc[h] = acc[h] * alpha[h] + sum_i p[h][i] * v_i over the tile's n value rows, for NH (<= 4) query heads of one
 // KV head, 16 dimensions (one cache line of a row) at a time: 2 x NH accumulators, each row's line loaded once for
 // all NH heads.
-template <int D, int NH>
-inline void accumulate_values_avx2(const float* const* value_rows, int64_t kv_offset, int n,
+template <typename T, int D, int NH>
+inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset, int n,
                                    const float (*p)[16], const float* alpha, float* acc, const TilePrefetch* ahead) {
   for (int c0 = 0; c0 < D; c0 += 16) {
     __m256 a[NH][2];
@@ -356,9 +373,9 @@ inline void accumulate_values_avx2(const float* const* value_rows, int64_t kv_of
       a[h][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0 + 8), scale);
     }
     for (int i = 0; i < n; ++i) {
-      if (c0 == 0) prefetch_row<float, D * sizeof(float), false>(ahead, i, kv_offset);
-      const float* row = value_rows[i] + kv_offset + c0;
-      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+      if (c0 == 0) prefetch_row<T, D * sizeof(T), false>(ahead, i, kv_offset);
+      const T* row = value_rows[i] + kv_offset + c0;
+      const __m256 v0 = load8(row), v1 = load8(row + 8);
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h) {
         const __m256 pb = _mm256_broadcast_ss(&p[h][i]);
@@ -374,32 +391,32 @@ inline void accumulate_values_avx2(const float* const* value_rows, int64_t kv_of
   }
 }
 
-// fp32 decode on AVX2: the `group` query heads of one KV head (queries `qv`, fp32 and scaled, D floats each)
-// against `n` keys read in place. Scores go 8 keys at a time per head (8 independent multiply-add chains sharing
+// Decode on AVX2: the `group` query heads of one KV head (queries `qv`, fp32 and scaled, D floats each)
+// against `n` keys read in place (fp32, or bf16 widened as they load: no fp32 copy of the tile). Scores go 8 keys at a time per head (8 independent multiply-add chains sharing
 // each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
 // heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see tile_kernel), their
 // scores masked.
-template <int D>
-inline void attend_tile_avx2(int64_t group, const float* qv, const float* const* key_rows,
-                             const float* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
+template <typename T, int D>
+inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key_rows,
+                             const T* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
                              float* acc, const TilePrefetch* ahead) {
   alignas(32) float scores[MAX_GROUP][16];
   const int halves = n > 8 ? 2 : 1;
   for (int64_t g = 0; g < group; ++g) {
     const float* q = qv + g * D;
     for (int half = 0; half < halves; ++half) {
-      const float* key[8];
+      const T* key[8];
       for (int i = 0; i < 8; ++i) {
-        if (g == 0) prefetch_row<float, D * sizeof(float), true>(ahead, 8 * half + i, kv_offset);
+        if (g == 0) prefetch_row<T, D * sizeof(T), true>(ahead, 8 * half + i, kv_offset);
         key[i] = key_rows[8 * half + i] + kv_offset;
       }
       __m256 dots[8];
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key[i]));
+      for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(key[i]));
       for (int d = 8; d < D; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(key[i] + d), dots[i]);
+        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(key[i] + d), dots[i]);
       }
       _mm256_store_ps(scores[g] + 8 * half, sum8x8(dots));
     }
@@ -427,10 +444,10 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const float* const*
     const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
     const TilePrefetch* rows_ahead = g == 0 ? ahead : nullptr;
     float* a = acc + g * D;
-    if (heads == 4) accumulate_values_avx2<D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else if (heads == 3) accumulate_values_avx2<D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else if (heads == 2) accumulate_values_avx2<D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else accumulate_values_avx2<D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    if (heads == 4) accumulate_values_avx2<T, D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else if (heads == 3) accumulate_values_avx2<T, D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else if (heads == 2) accumulate_values_avx2<T, D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else accumulate_values_avx2<T, D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
     g += heads;
   }
 }
@@ -443,8 +460,8 @@ inline void attend_tile_group(int64_t group, const T* const* q_raw, const vf16* 
                               float* sum, vf16* acc, const TilePrefetch* ahead) {
   constexpr int C = D / 16, NG_MAX = D == 64 ? 4 : 2;
 #if defined(LLM_AVX2_ONLY)
-  if constexpr (std::is_same_v<T, float>) {
-    attend_tile_avx2<D>(group, reinterpret_cast<const float*>(qv), key_rows, value_rows, kv_offset, n, maximum, sum,
+  if constexpr (AVX2_READS_IN_PLACE<T>) {
+    attend_tile_avx2<T, D>(group, reinterpret_cast<const float*>(qv), key_rows, value_rows, kv_offset, n, maximum, sum,
                         reinterpret_cast<float*>(acc), ahead);
     return;
   }
@@ -525,7 +542,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
           if (++off == block_size) { off = 0; ++blk; }
           key_rows[i] = key_cache + row;
           value_rows[i] = value_cache + row;
-          if constexpr (!BF16_DOT && !std::is_same_v<T, float>) {  // bf16 without vdpbf16ps: tiles in fp32
+          if constexpr (!BF16_DOT && !std::is_same_v<T, float> && !AVX2_READS_IN_PLACE<T>) {  // tiles in fp32
             for (int64_t kh = 0; kh < heads_per_task; ++kh)
               for (int c = 0; c < C; ++c) {
                 key_tiles[(kh * 16 + i) * C + c] = load_vf16(key_cache + row + kh * D + 16 * c);

@@ -221,27 +221,49 @@ inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride,
 #endif
 
 #if LLM_HAVE_AVX2_FMA
+// Weights of one block of 16 outputs on AVX2, as two 8-lane fp32 vectors per k: W float in the fp32 layout
+// ([K][16]: k's 16 outputs at w + 16 k); W bf16 in the pair layout ([K / 2][16][2]: pair p's 32 values at w + 32 p,
+// each 32-bit lane one output's k = 2p in its low half, 2p + 1 in its high half), widened exactly in registers: the
+// even k by a shift, the odd k by a mask (one load-and-op each, so no register holds the raw pair). A bf16 decode
+// step reads half the bytes of fp32; the multiply-adds are fp32's. KS: the k a loop step takes (a pair for bf16), so
+// that `half_k` (k's parity) is a constant where the loops unroll.
+template <typename W>
+constexpr int KS = std::is_same_v<W, bf16> ? 2 : 1;
+
+template <typename W>
+inline __m256 weights8(const W* w, int64_t k, int parity, int half) {
+  if constexpr (std::is_same_v<W, bf16>) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * k + 16 * half));  // k even: pair k / 2
+    return _mm256_castsi256_ps(parity ? _mm256_and_si256(v, _mm256_set1_epi32(-65536)) : _mm256_slli_epi32(v, 16));
+  } else {
+    return _mm256_loadu_ps(w + 16 * (k + parity) + 8 * half);
+  }
+}
+
 // fma_block on AVX2: a block of 16 outputs is two 8-lane registers. MB * NB <= 4 keeps the 2 * MB * NB
 // accumulators, the block's weights and a broadcast row value within the 16 registers.
-template <int MB, int NB>
-inline void fma_block_avx2(const float* x, int64_t K, const float* w, int64_t stride, float* c,
+template <int MB, int NB, typename W>
+inline void fma_block_avx2(const float* x, int64_t K, const W* w, int64_t stride, float* c,
                            const char* pf = nullptr, int64_t pf_lines = 0) {
   const int64_t pf_step = pf ? (pf_lines + K - 1) / K : 0;
   __m256 acc[MB][NB][2];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch_share(pf, pf_lines, pf_step, k);
-    __m256 wv[NB][2];
-    for (int j = 0; j < NB; ++j) {
-      wv[j][0] = _mm256_loadu_ps(w + j * stride + 16 * k);
-      wv[j][1] = _mm256_loadu_ps(w + j * stride + 16 * k + 8);
-    }
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+  for (int64_t k = 0; k < K; k += KS<W>) {
+#pragma GCC unroll 2
+    for (int s = 0; s < KS<W>; ++s) {
+      prefetch_share(pf, pf_lines, pf_step, k + s);
+      __m256 wv[NB][2];
       for (int j = 0; j < NB; ++j) {
-        acc[m][j][0] = _mm256_fmadd_ps(xv, wv[j][0], acc[m][j][0]);
-        acc[m][j][1] = _mm256_fmadd_ps(xv, wv[j][1], acc[m][j][1]);
+        wv[j][0] = weights8(w + j * stride, k, s, 0);
+        wv[j][1] = weights8(w + j * stride, k, s, 1);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * K + k + s);
+        for (int j = 0; j < NB; ++j) {
+          acc[m][j][0] = _mm256_fmadd_ps(xv, wv[j][0], acc[m][j][0]);
+          acc[m][j][1] = _mm256_fmadd_ps(xv, wv[j][1], acc[m][j][1]);
+        }
       }
     }
   }
@@ -254,7 +276,8 @@ inline void fma_block_avx2(const float* x, int64_t K, const float* w, int64_t st
 
 // Rows x[0..rows) (rows <= AVX2_STREAM_ROWS) against `nbs` (<= 4) blocks of 16 outputs into c (as fma_block):
 // one row streams all four blocks at once; two rows take the blocks two at a time.
-inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const float* w, int64_t stride, int64_t nbs,
+template <typename W>
+inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const W* w, int64_t stride, int64_t nbs,
                           float* c, const char* pf, int64_t pf_lines) {
   for (int64_t m = 0; m < rows; m += 2) {
     const float* xm = x + m * K;
@@ -271,16 +294,14 @@ inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const float* 
     pf = nullptr;
   }
 }
-#endif
 
-#if LLM_HAVE_AVX2_FMA
 // MB (1-6) rows against one block of 16 outputs over k in [0, kc), the 6 x 16 register block of BLIS's Haswell
 // sgemm kernel (Van Zee & van de Geijn, "BLIS", ACM TOMS 2015; 12 accumulators, the block's two weight vectors, a
-// broadcast row value): c[m * 16 + n] (+)= sum_k x[m * ldx + k] w[16 * k + n], k in order, so splitting K into
-// chunks (accumulate: start from c) gives the same sums bit for bit. With `pf`, lines pf + 64 * i for i < pf_lines
-// (<= kc) are prefetched into L2, one per k.
-template <int MB>
-inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const float* w, float* c, bool accumulate,
+// broadcast row value): c[m * 16 + n] (+)= sum_k x[m * ldx + k] w[k][n] (weights8's layouts), k in order, so
+// splitting K into chunks (accumulate: start from c) gives the same sums bit for bit. With `pf`, lines
+// pf + 64 * i for i < pf_lines (<= kc) are prefetched into L2, one per k.
+template <int MB, typename W>
+inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, float* c, bool accumulate,
                           const char* pf, int64_t pf_lines) {
   // Every loop over rows unrolled: GCC otherwise keeps the accumulators in memory, a store per multiply-add.
   __m256 acc[MB][2];
@@ -289,14 +310,17 @@ inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const float* 
     acc[m][0] = accumulate ? _mm256_load_ps(c + 16 * m) : _mm256_setzero_ps();
     acc[m][1] = accumulate ? _mm256_load_ps(c + 16 * m + 8) : _mm256_setzero_ps();
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    if (k < pf_lines) __builtin_prefetch(pf + 64 * k, 0, 1);
-    const __m256 w0 = _mm256_loadu_ps(w + 16 * k), w1 = _mm256_loadu_ps(w + 16 * k + 8);
+  for (int64_t k = 0; k < kc; k += KS<W>) {
+#pragma GCC unroll 2
+    for (int s = 0; s < KS<W>; ++s) {
+      if (k + s < pf_lines) __builtin_prefetch(pf + 64 * (k + s), 0, 1);
+      const __m256 w0 = weights8(w, k, s, 0), w1 = weights8(w, k, s, 1);
 #pragma GCC unroll 6
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
-      acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k + s);
+        acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+      }
     }
   }
 #pragma GCC unroll 6
@@ -329,13 +353,13 @@ inline void with_rows(int64_t rows, F&& f) {
 // once; or AVX512-BF16) or for fp32 (AVX-512) weights.
 bool small_gemm_available(bool bf16) {
   if (!bf16) return LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA;
-  return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16;
+  return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16 || LLM_HAVE_AVX2_FMA;
 }
 
-// The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units, any number for fp32
-// on AVX2 (INT64_MAX).
+// The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units, any number on AVX2
+// (INT64_MAX).
 int64_t small_gemm_max_rows(bool bf16) {
-  if (!bf16 && LLM_HAVE_AVX2_FMA) return llm_cpu::AVX2_GEMM_MAX_ROWS;
+  if (LLM_HAVE_AVX2_FMA) return llm_cpu::AVX2_GEMM_MAX_ROWS;
   return bf16 && llm_cpu::amx_usable() ? llm_cpu::SMALL_GEMM_MAX_ROWS : llm_cpu::VECTOR_GEMM_MAX_ROWS;
 }
 
@@ -352,16 +376,18 @@ torch::Tensor small_gemm_pack(torch::Tensor weight) {
   return weight.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// small_gemm without AMX: fp32 with AVX-512 multiply-adds, bf16 with AVX512-BF16 dot products. Threads take
-// groups of 4 blocks of 16 outputs as they go; each group's weights stream from memory once, and the rows go
-// through them 6 at a time (the later passes find the group in L2).
+// small_gemm without AMX: fp32 with AVX-512 multiply-adds, bf16 with AVX512-BF16 dot products; on AVX2, weights of
+// either type with 8-lane fp32 multiply-adds (x fp32: bf16 rows widened by the caller). Threads take groups of 4
+// blocks of 16 outputs as they go; each group's weights stream from memory once, and the rows go through them 6 at
+// a time (the later passes find the group in L2).
 template <typename T>
 static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                               c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
   constexpr bool BF16 = std::is_same_v<T, bf16>;
+  using X = std::conditional_t<LLM_HAVE_AVX2_FMA, float, T>;
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
-  const T* xs = reinterpret_cast<const T*>(x.data_ptr());
+  const X* xs = reinterpret_cast<const X*>(x.data_ptr());
   const T* ws = reinterpret_cast<const T*>(packed.data_ptr());
   const T* bs = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
   T* ys = reinterpret_cast<T*>(out.data_ptr());
@@ -388,6 +414,11 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t j = 0; j < nbs; ++j)
               store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, c + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+#elif LLM_HAVE_AVX2_FMA
+          fma_rows_avx2(xs + m0 * K, rows, K, w, K * 16, nbs, c, pf, pf_lines);
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < 16 * nbs; ++n)  // bias added in fp32, rounded once (as store_row16)
+              ys[(m0 + m) * N + nb0 * 16 + n] = from_float<bf16>(c[m * 64 + n] + (bs ? to_float(bs[nb0 * 16 + n]) : 0.f));
 #endif
         } else {
 #if LLM_HAVE_AVX2_FMA
@@ -420,14 +451,16 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 // so both work on the same panel of x at a time. The first chunk of the item a thread most likely takes next (the
 // threads take items in turn) is prefetched into L2 over the passes of the current item's last chunk, a share per
 // pass, so that the next item's first pass does not wait on memory (as NextGroup does for the paths above).
+// W: the weights', bias's and output's type (fp32, or bf16 in the pair layout, rounded once at the store); x fp32.
+template <typename W>
 static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                                  c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
   const float* xs = x.data_ptr<float>();
-  const float* ws = packed.data_ptr<float>();
-  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
-  float* ys = out.data_ptr<float>();
+  const W* ws = reinterpret_cast<const W*>(packed.data_ptr());
+  const W* bs = bias ? reinterpret_cast<const W*>(bias->data_ptr()) : nullptr;
+  W* ys = reinterpret_cast<W*>(out.data_ptr());
   const int64_t kc_max = std::min(AVX2_K_CHUNK, K);
   const int64_t panel_max = std::clamp<int64_t>(AVX2_PANEL_BYTES / (kc_max * 4) / 6 * 6, 6, AVX2_PANEL_MAX_ROWS);
   const int64_t panels = (M + panel_max - 1) / panel_max;
@@ -436,30 +469,48 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), items)))
   {
     alignas(64) float c[AVX2_PANEL_MAX_ROWS * 16];
+    std::vector<float> wide_storage(std::is_same_v<W, bf16> ? AVX2_K_CHUNK * 16 + 16 : 0);
+    float* wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.data()) + 63) & ~uintptr_t{63});
     const int64_t threads = omp_get_num_threads();
     for (int64_t item = taken.fetch_add(1); item < items; item = taken.fetch_add(1)) {
       const int64_t panel = item / NB, nb = item % NB;
       const int64_t r0 = panel * M / panels, r1 = (panel + 1) * M / panels;  // the panel's rows, spread evenly
       const int64_t passes = (r1 - r0 + 5) / 6;
-      const float* w = ws + nb * K * 16;
+      const W* w = ws + nb * K * 16;
       const int64_t next = item + threads;
       const char* next_w = passes >= 2 && next < items ? reinterpret_cast<const char*>(ws + next % NB * K * 16) : nullptr;
       for (int64_t k0 = 0; k0 < K; k0 += AVX2_K_CHUNK) {
         const int64_t kc = std::min(AVX2_K_CHUNK, K - k0);
-        const int64_t pf_lines = next_w && k0 + kc == K ? std::min(kc_max, kc) : 0;  // a line per k of its chunk
+        // the next item's first chunk of weights, at most a line per k
+        const int64_t pf_lines = next_w && k0 + kc == K ? std::min(kc, kc_max * 16 * static_cast<int64_t>(sizeof(W)) / 64) : 0;
+        // bf16 weights that three or more passes read: the chunk widened to fp32 once, into `wide` (64 KiB, in L2
+        // beside the panel), and the passes run fp32's loop on it; widened in every pass, they ran 1.3-1.5x fp32's time.
+        const float* widened = nullptr;
+        if constexpr (std::is_same_v<W, bf16>) {
+          if (passes >= 3) {
+            for (int64_t k = 0; k < kc; k += 2)
+              for (int s = 0; s < 2; ++s)
+                for (int half = 0; half < 2; ++half)
+                  _mm256_store_ps(wide + 16 * (k + s) + 8 * half, weights8(w + k0 * 16, k, s, half));
+            widened = wide;
+          }
+        }
         for (int64_t p = 0, m0 = r0; p < passes; ++p) {
           const int64_t rows = (r1 - m0) / (passes - p);  // the remaining rows over the remaining passes
           const int64_t first = p * pf_lines / passes, share = (p + 1) * pf_lines / passes - first;
           with_rows(rows, [&](auto mb) {
-            fma_tile_avx2<decltype(mb)::value>(xs + m0 * K + k0, K, kc, w + k0 * 16, c + (m0 - r0) * 16, k0 > 0,
-                                               next_w + 64 * first, share);
+            constexpr int MB = decltype(mb)::value;
+            const float* x = xs + m0 * K + k0;
+            float* cm = c + (m0 - r0) * 16;
+            if (widened) fma_tile_avx2<MB>(x, K, kc, widened, cm, k0 > 0, next_w + 64 * first, share);
+            else fma_tile_avx2<MB>(x, K, kc, w + k0 * 16, cm, k0 > 0, next_w + 64 * first, share);
           });
           m0 += rows;
         }
       }
       for (int64_t m = r0; m < r1; ++m)
         for (int64_t n = 0; n < 16; ++n)
-          ys[m * N + nb * 16 + n] = c[(m - r0) * 16 + n] + (bs ? bs[nb * 16 + n] : 0.f);
+          ys[m * N + nb * 16 + n] = from_float<W>(c[(m - r0) * 16 + n] + (bs ? to_float(bs[nb * 16 + n]) : 0.f));
     }
   }
 }
@@ -479,11 +530,11 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == at::kFloat),
                 "small_gemm: bias fp32 [N]");
 #if LLM_HAVE_AVX2_FMA
-    if (x.size(0) > AVX2_STREAM_ROWS) return small_gemm_avx2_rows(out, x, packed, bias);
+    if (x.size(0) > AVX2_STREAM_ROWS) return small_gemm_avx2_rows<float>(out, x, packed, bias);
 #endif
     return small_gemm_vector<float>(out, x, packed, bias);
   }
-  TORCH_CHECK(small_gemm_available(true), "small_gemm: neither AMX nor AVX512-BF16 is available");
+  TORCH_CHECK(small_gemm_available(true), "small_gemm: none of AMX, AVX512-BF16 or AVX2 with FMA is available");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && M >= 1
               && M <= small_gemm_max_rows(true) && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
@@ -492,7 +543,14 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
               "small_gemm: out bf16 [M, N] contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16),
               "small_gemm: bias bf16 [N]");
-if (!amx_usable()) return small_gemm_vector<bf16>(out, x, packed, bias);
+#if LLM_HAVE_AVX2_FMA
+  {  // the rows widened to fp32 (exact) once; the weights widen in registers
+    const torch::Tensor xf = x.to(at::kFloat);
+    if (M > AVX2_STREAM_ROWS) return small_gemm_avx2_rows<bf16>(out, xf, packed, bias);
+    return small_gemm_vector<bf16>(out, xf, packed, bias);
+  }
+#endif
+  if (!amx_usable()) return small_gemm_vector<bf16>(out, x, packed, bias);
 #if LLM_HAVE_AMX
   const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr());
   const bf16* ws = reinterpret_cast<const bf16*>(packed.data_ptr());
