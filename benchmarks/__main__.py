@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default all)")
     parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights and KV cache of every system (default auto: bf16 where the CPU has it)")
+                        help="weights and KV cache of every system (default auto: the engine's rule, bf16 where it is at least as fast)")
     parser.add_argument("--threads", type=int, help="torch threads for every system (default: torch's default)")
     parser.add_argument("--static-batch", type=int, help="static batching batch size (default 16)")
     parser.add_argument("--naive-max-requests", type=int,

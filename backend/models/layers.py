@@ -42,8 +42,8 @@ class Linear(torch.nn.Module):
         small_batch: also keep the weight in the layout of ``kernels.cpu.small_gemm``, which runs the GEMMs of
             decode steps (at most 64 rows on AMX, 256 elsewhere: ``kernels.cpu.small_gemm_max_rows``) faster than
             oneDNN here by streaming the weights in order (bf16 on AMX or AVX512-BF16, fp32 on AVX-512; ignored
-            elsewhere); a second copy of the weight. fp32 on AVX2 without AVX-512: ``small_gemm`` takes every
-            GEMM (``cpu_ops.EVERY_GEMM``), and its layout is the only copy (``weight`` None).
+            elsewhere); a second copy of the weight. On AVX2 without AVX-512 (fp32 and bf16): ``small_gemm`` takes
+            every GEMM (``cpu_ops.EVERY_GEMM``), and its layout is the only copy (``weight`` None).
         quantization: ``none``, or ``int8``: the weight is quantized per output channel, symmetric, to int8 with an
             fp32 scale per row (:func:`kernels.cpu.int8_gemm_pack`) and kept only in that form; every GEMM, of
             any number of rows, runs through ``cpu_ops.int8_gemm`` (``small_batch`` is then that packed weight,
@@ -52,7 +52,7 @@ class Linear(torch.nn.Module):
 
     Raises:
         ValueError: ``int8`` where ``cpu_ops.int8_gemm`` cannot run (:func:`int8_unsupported_reason`: not a CPU
-            tensor, a build without AVX-512 / AVX512-BF16, an fp16 weight, a shape it does not take), or an unknown
+            tensor, a build without AVX-512 or AVX2 with FMA, an fp16 weight, a shape it does not take), or an unknown
             ``quantization``.
     """
 
@@ -103,7 +103,7 @@ class Linear(torch.nn.Module):
 
 def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
     """Why ``weight`` ``[out_features, in_features]`` cannot be quantized for ``cpu_ops.int8_gemm`` (None when it
-    can): its kernel needs a CPU, the C++ kernels built with AVX-512 or AVX2 and FMA (AVX512-BF16 for bf16), fp32 or bf16
+    can): its kernel needs a CPU, the C++ kernels built with AVX-512 (AVX512-BF16 for bf16) or AVX2 and FMA, fp32 or bf16
     activations (the weight's dtype), out_features a multiple of 16 and in_features even."""
     if weight.device.type != "cpu":
         return f"the int8 GEMM is a CPU kernel, the weights are on {weight.device}"
@@ -115,7 +115,7 @@ def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
     if not cpu_ops.available():
         return "the C++ CPU kernels (kernels/cpu) did not build on this machine"
     if not cpu_ops.int8_gemm_available(weight.dtype):
-        needs = "AVX512-BF16" if weight.dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
+        needs = "AVX512-BF16 or AVX2 with FMA" if weight.dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return f"the C++ CPU kernels were built without {needs} (needed for {weight.dtype} activations)"
     return None
 

@@ -189,7 +189,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`small_gemm` runs here for ``dtype``: bf16 needs AMX (built for it: the compiler targets this
-    CPU; and allowed by Linux) or AVX512-BF16, fp32 AVX-512 or AVX2 with FMA."""
+    CPU; and allowed by Linux), AVX512-BF16 or AVX2 with FMA (the weights widened to fp32 in registers), fp32 AVX-512
+    or AVX2 with FMA."""
     module = load()
     return dtype in (torch.bfloat16, torch.float32) and module is not None \
         and module.small_gemm_available(dtype == torch.bfloat16)
@@ -198,9 +199,9 @@ def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 def small_gemm_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """The most rows :func:`small_gemm` takes for ``dtype`` here (it must be available): 64 on AMX tiles, 256 on
     AVX-512 units (built for decode batches; above them oneDNN's blocking for large GEMMs takes over,
-    ``python -m benchmarks.profile_engine`` shows the split on a machine), and :data:`EVERY_GEMM` for fp32 on AVX2
-    without AVX-512, where its register-blocked path is ahead of oneDNN's fp32 GEMM at every row count measured
-    (docs/kernels.md), prompts included."""
+    ``python -m benchmarks.profile_engine`` shows the split on a machine), and :data:`EVERY_GEMM` on AVX2 without
+    AVX-512, where its register-blocked path is ahead of oneDNN's fp32 GEMM at every row count measured
+    (docs/kernels.md), prompts included, and oneDNN has no bf16 GEMM."""
     return _module().small_gemm_max_rows(dtype == torch.bfloat16)
 
 
@@ -235,7 +236,7 @@ def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
 
 def int8_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`int8_gemm` runs here for activations of ``dtype``: the kernels built, with AVX-512 or AVX2 and
-    FMA (fp32), AVX512-BF16 (bf16)."""
+    FMA (fp32), AVX512-BF16 or AVX2 and FMA (bf16; on AVX2 through the fp32 path, the result rounded once)."""
     module = load()
     return dtype in (torch.float32, torch.bfloat16) and module is not None \
         and module.int8_gemm_available(dtype == torch.bfloat16)
@@ -275,7 +276,8 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
     (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds, or on AVX2 without
-    AVX-512 to int16 with ``vpmaddwd``, each row of ``x`` rounded to int16 with its own scale, ``max |x| / 32767``);
+    AVX-512 to int16 with ``vpmaddwd``, each row of ``x`` rounded to int16 with its own scale, ``max |x| / 32767``;
+    bf16 ``x`` on AVX2 goes the fp32 way, widened first, and the result is rounded to bf16 once);
     the sums are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
 
     Args:
