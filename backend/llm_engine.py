@@ -82,7 +82,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device, cpu_kernels=config.attention_backend in ("auto", "cpu")
+                                   and config.model_impl == "auto" and config.model_runner == "default")
         # Loading runs torch operations; on a thread of its own, so the thread that steps owns the process's
         # only OpenMP pool (backend.cpu_threads: two pools make every barrier sleep).
         run_on_fresh_thread(lambda: self._build(config))

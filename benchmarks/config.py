@@ -35,7 +35,7 @@ class BenchConfig:
         threads: torch intra-op threads, the same for every system in this process (and vLLM's OpenMP threads,
             llama-server's ``-t``/``-tb``).
         dtype: of every system's weights and KV cache; ``auto`` as the engine resolves it (bf16 on CPUs with
-            AVX512-BF16, AMX or AVX2 and FMA, else fp32).
+            AVX512-BF16, AMX, or AVX2 without AVX-512; else fp32).
         prompt_tokens: (min, max) prompt length in tokens, drawn log-uniformly (long-tailed).
         short_output / long_output: (min, max) output tokens, uniform; ``long_share`` of requests are long.
         static_batch: batch size of the static-batching baseline.

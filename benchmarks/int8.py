@@ -2,15 +2,15 @@
 
 ``python -m benchmarks.int8 quality [--windows N] [--window-tokens T] [--max-tokens N]``: the perplexity of the
 default model (SmolLM2-135M-Instruct) on the benchmark's English corpus (``benchmarks.workload.corpus_text``) with
-the engine in fp32, bf16 and with int8 weights (bf16 activations where the CPU has AVX512-BF16, fp32 on AVX2),
+the engine in fp32, bf16 and with int8 weights (bf16 activations where the kernels take them: AVX512-BF16, or AVX2 through the fp32 path),
 each window's tokens scored by its own prefill (prompt logprobs), and how many of
 :data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to the same activations' float
 weights.
 
 ``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
 (QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
-``repeats``): ``int8_gemm`` (bf16 activations, or fp32 on AVX2) against ``small_gemm`` with bf16 and fp32 weights
-(past the rows ``small_gemm`` takes, and for bf16 without AVX512-BF16: ``F.linear``), and oneDNN's fp32 GEMM on
+``repeats``): ``int8_gemm`` (bf16 activations where it takes them, else fp32) against ``small_gemm`` with bf16 and fp32 weights
+(past the rows ``small_gemm`` takes, and for bf16 where it has no bf16 path: ``F.linear``), and oneDNN's fp32 GEMM on
 prepacked weights with the ratio of its time to the fp32 column's (1.00x where both are oneDNN). A decode step of
 the model runs this once per layer. Each timing runs through as many copies of the layer as make its int8 weights
 at least :data:`STREAMED_BYTES`, so that the weights stream from memory as in a whole step, not from the L3 cache.
@@ -66,7 +66,8 @@ def corpus_windows(num_windows: int, window_tokens: int) -> list[list[int]]:
 
 
 def int8_activations() -> str:
-    """The activations' dtype int8 weights run with here: bfloat16 with AVX512-BF16, else float32."""
+    """The activations' dtype int8 weights run with here: bfloat16 where ``int8_gemm`` takes it (AVX512-BF16, or
+    AVX2 through its fp32 path), else float32."""
     from kernels import cpu
 
     return "bfloat16" if cpu.int8_gemm_available(torch.bfloat16) else "float32"

@@ -4,7 +4,9 @@
   decode step reads every weight once, so one stream's step cannot be shorter than weight bytes / bandwidth,
   and a batch of B decodes cannot exceed B x bandwidth / weight bytes tokens/s (KV reads come on top).
 * **GEMM peak**: the rate of a 2048 x 2048 x 2048 matmul in the run's dtype (best of 5); a token costs about
-  2 x parameters FLOPs, so no engine exceeds peak / (2 x parameters) tokens/s, prefill or decode.
+  2 x parameters FLOPs, so no engine exceeds peak / (2 x parameters) tokens/s, prefill or decode. bf16 on a CPU
+  without bf16 multiply-adds (no AVX512-BF16, no AMX) runs on the fp32 units (our kernels widen the weights in
+  registers), so fp32's matmul rate is its peak there; torch's own bf16 matmul on such a CPU is far below it.
 
 The roofline model of Williams, Waterman and Patterson (CACM 2009) on one axis each.
 """
@@ -39,6 +41,15 @@ def measure_gemm_gflops(dtype: str, threads: int, n: int = 2048, repeats: int = 
     return 2 * n**3 / best / 1e9
 
 
+def peak_dtype(dtype: str) -> str:
+    """The dtype whose matmul rate bounds GEMMs in ``dtype`` on this CPU: float32 for bfloat16 without bf16
+    multiply-adds (no AVX512-BF16, no AMX), ``dtype`` itself otherwise."""
+    import torch
+
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "float32" if dtype == "bfloat16" and not native_bf16 else dtype
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -58,8 +69,9 @@ def model_limits(model_dir: str, dtype: str, threads: int, quantization: str = "
     params = weight_bytes(config, 1)
     weights = int8_weight_bytes(config) if quantization == "int8" else weight_bytes(config, 4 if dtype == "float32" else 2)
     bandwidth = measure_bandwidth_gbps(threads)
-    peak = measure_gemm_gflops(dtype, threads)
-    return {"bandwidth_gbps": bandwidth, "gemm_gflops": peak, "gemm_dtype": dtype, "weight_bytes_per_step": weights,
+    gemm_dtype = peak_dtype(dtype)
+    peak = measure_gemm_gflops(gemm_dtype, threads)
+    return {"bandwidth_gbps": bandwidth, "gemm_gflops": peak, "gemm_dtype": gemm_dtype, "weight_bytes_per_step": weights,
             "weight_format": "int8" if quantization == "int8" else dtype,
             "matmul_parameters": params, "itl_floor_ms": 1e3 * weights / (bandwidth * 1e9),
             "decode_tokens_per_s_per_stream_bound": bandwidth * 1e9 / weights,

@@ -255,7 +255,7 @@ def model_name(config: dict) -> str:
 
 
 def dtype_text(config: dict) -> str:
-    """The run's dtype: ``auto`` with what it meant on the machine (bf16 with AVX512-BF16, AMX or AVX2, else fp32)."""
+    """The run's dtype: ``auto`` with what it meant on the machine (bf16 with AVX512-BF16, AMX, or AVX2 without AVX-512; else fp32)."""
     dtype, resolved = config.get("dtype", "auto"), config.get("dtype_resolved")
     return f"auto ({resolved} here)" if dtype == "auto" and resolved else dtype
 

@@ -189,13 +189,13 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
             assert (got != onednn).float().mean() < 1e-3
 
 
-@pytest.mark.skipif(not kernels.cpu.small_gemm_available(torch.float32)
-                    or kernels.cpu.small_gemm_max_rows(torch.float32) != kernels.cpu.EVERY_GEMM,
-                    reason="small_gemm takes every GEMM only on AVX2 without AVX-512")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_on_avx2_keeps_one_copy_and_takes_every_gemm(monkeypatch, dtype):
     from backend import cpu_ops
     from backend.models.layers import Linear
+
+    if not kernels.cpu.small_gemm_available(dtype) or kernels.cpu.small_gemm_max_rows(dtype) != kernels.cpu.EVERY_GEMM:
+        pytest.skip(f"small_gemm takes every {dtype} GEMM only on AVX2 without AVX-512")
 
     torch.manual_seed(11)
     weight, bias = (torch.randn(96, 64) * 0.1).to(dtype), (torch.randn(96) * 0.1).to(dtype)
@@ -240,3 +240,16 @@ def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above(monkey
         torch.testing.assert_close(linear(x).float(), F.linear(x.float(), weight.float(), bias.float()),
                                    rtol=2 ** -7, atol=1e-3)
     assert calls == [1, limit]
+
+
+def test_auto_dtype_is_bf16_only_where_it_runs_at_least_as_fast_as_fp32():
+    """``dtype: auto`` on a CPU: bf16 with hardware bf16 (AVX512-BF16, AMX); on AVX2 without AVX-512, bf16 only when
+    ``small_gemm`` runs it and the model's GEMMs go through the C++ kernels (else ``F.linear`` would run bf16 at
+    several times fp32's time); fp32 otherwise. An explicit dtype is kept as given."""
+    from backend.config import resolve_dtype
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    kernels_bf16 = kernels.cpu.small_gemm_available(torch.bfloat16)
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native or kernels_bf16 else "float32")
+    assert resolve_dtype("auto", "cpu", cpu_kernels=False) == ("bfloat16" if native else "float32")
+    assert resolve_dtype("float32", "cpu") == "float32" and resolve_dtype("bfloat16", "cpu", False) == "bfloat16"

@@ -42,8 +42,8 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 
 # Up to this many bytes of weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
 # (cpu_ops.small_gemm: AMX, or AVX512-BF16 / AVX-512 on the same layout): that doubles the weights' memory, worth
-# it for the small models CPUs serve; past it, oneDNN runs every GEMM. (fp32 on AVX2: small_gemm runs every GEMM
-# from the one copy, at any size.)
+# it for the small models CPUs serve; past it, oneDNN runs every GEMM. (On AVX2 without AVX-512, fp32 and bf16:
+# small_gemm runs every GEMM from the one copy, at any size.)
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
 
 
@@ -121,7 +121,7 @@ class LlamaDecoder(torch.nn.Module):
         self.embed_tokens = inner.embed_tokens
         weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         # int8 weights are packed for their own kernel only: no second copy in the tile layout. Where small_gemm
-        # takes every GEMM (fp32 on AVX2), its layout is the only copy, whatever the size.
+        # takes every GEMM (AVX2 without AVX-512), its layout is the only copy, whatever the size.
         small_batch = cpu_kernels and quantization == "none" and (
             weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES or _small_gemm_takes_every_gemm(hf_model.lm_head.weight))
         self.quantization = quantization
@@ -210,7 +210,8 @@ class LlamaDecoder(torch.nn.Module):
 
 
 def _small_gemm_takes_every_gemm(weight: torch.Tensor) -> bool:
-    """Whether ``cpu_ops.small_gemm`` runs GEMMs of any number of rows for ``weight``'s dtype here (fp32 on AVX2)."""
+    """Whether ``cpu_ops.small_gemm`` runs GEMMs of any number of rows for ``weight``'s dtype here (fp32 and bf16 on
+    AVX2 without AVX-512)."""
     return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
             and cpu_ops.small_gemm_max_rows(weight.dtype) == cpu_ops.EVERY_GEMM)
 

@@ -189,8 +189,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 def small_gemm_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether :func:`small_gemm` runs here for ``dtype``: bf16 needs AMX (built for it: the compiler targets this
-    CPU; and allowed by Linux), AVX512-BF16 or AVX2 with FMA (the weights widened to fp32 in registers), fp32 AVX-512
-    or AVX2 with FMA."""
+    CPU; and allowed by Linux), AVX512-BF16, or AVX2 with FMA on a CPU without AVX-512 (the weights widened to fp32
+    in registers; an AVX2 build on an AVX-512 CPU leaves bf16 to oneDNN); fp32 needs AVX-512 or AVX2 with FMA."""
     module = load()
     return dtype in (torch.bfloat16, torch.float32) and module is not None \
         and module.small_gemm_available(dtype == torch.bfloat16)
@@ -216,8 +216,8 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for at most :func:`small_gemm_max_rows` rows: bf16 on AMX tiles (or with AVX512-BF16
-    dot products where there is no AMX), fp32 with AVX-512 multiply-adds, the weights streamed in order from
-    :func:`small_gemm_pack`'s layout.
+    dot products where there is no AMX), fp32 with AVX-512 multiply-adds, both with AVX2 multiply-adds on a CPU
+    without AVX-512 (bf16 widened to fp32), the weights streamed in order from :func:`small_gemm_pack`'s layout.
 
     Args:
         x: ``[M, K]`` bf16 or fp32, 1 <= M <= ``small_gemm_max_rows(x.dtype)``; packed: from

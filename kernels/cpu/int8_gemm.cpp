@@ -270,7 +270,7 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 }  // namespace llm_cpu
 
 // Whether this build runs int8_gemm: AVX-512 or AVX2 with FMA for fp32 activations; bf16 activations need
-// AVX512-BF16.
+// AVX512-BF16, or AVX2 with FMA (through the fp32 path).
 bool int8_gemm_available(bool bf16) {
   return bf16 ? LLM_HAVE_AVX512_BF16 || LLM_HAVE_AVX2_FMA : LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA;
 }
@@ -347,18 +347,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   using namespace llm_cpu;
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ",
-              bf16_x ? "AVX512-BF16" : "AVX-512 and no AVX2 with FMA");
-#if LLM_HAVE_AVX2_FMA
-  if (bf16_x && x.dim() == 2 && out.scalar_type() == at::kBFloat16 && (!bias || bias->scalar_type() == at::kBFloat16)) {
-    // AVX2 has no bf16 arithmetic: the rows widened to fp32 (exact) through the fp32 path, the bias added in fp32
-    // and the sums rounded to bf16 once, as the AVX512-BF16 path rounds them.
-    torch::Tensor wide = torch::empty(out.sizes(), out.options().dtype(at::kFloat));
-    int8_gemm(wide, x.to(at::kFloat), packed, c10::nullopt);
-    if (bias) wide.add_(bias->to(at::kFloat));
-    out.copy_(wide);
-    return;
-  }
-#endif
+              bf16_x ? "AVX512-BF16 and no AVX2 with FMA" : "AVX-512 and no AVX2 with FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
               && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
               ", K] contiguous");
@@ -370,6 +359,17 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
               && out.scalar_type() == x.scalar_type(), "int8_gemm: out [M, N] contiguous, x's dtype");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
               "int8_gemm: bias [N] of x's dtype");
+#if LLM_HAVE_AVX2_FMA
+  if (bf16_x) {
+    // AVX2 has no bf16 arithmetic: the rows widened to fp32 (exact) through the fp32 path, the bias added in fp32
+    // and the sums rounded to bf16 once, as the AVX512-BF16 path rounds them.
+    torch::Tensor wide = torch::empty(out.sizes(), out.options().dtype(at::kFloat));
+    int8_gemm(wide, x.to(at::kFloat), packed, c10::nullopt);
+    if (bias) wide.add_(bias->to(at::kFloat));
+    out.copy_(wide);
+    return;
+  }
+#endif
 #if LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA
   const int8_t* ws = packed.data_ptr<int8_t>();
   const int64_t groups = (NB + 3) / 4;

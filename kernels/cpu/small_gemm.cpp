@@ -11,7 +11,9 @@
 // consecutive k, the row's pair broadcast). fp32 on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3) takes 8-lane
 // multiply-adds on the same layout for every GEMM, prompts included: up to AVX2_STREAM_ROWS rows one or two at a time
 // (streaming the weights once), more in 6 x 16 register blocks over panels of rows (small_gemm_avx2_rows), which
-// measured 1.07-1.44x oneDNN's fp32 GEMM at 1-256 rows and level at 2048 on a Zen 3 (docs/kernels.md).
+// measured 1.07-1.44x oneDNN's fp32 GEMM at 1-256 rows and level at 2048 on a Zen 3 (docs/kernels.md). bf16 there
+// (a CPU without AVX-512, where oneDNN has no bf16 GEMM) runs on the same fp32 multiply-adds from the bf16 tile
+// layout, the weights widened in registers (weights8): half of fp32's bytes per decode step.
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -20,6 +22,7 @@
 
 #include <atomic>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -44,8 +47,8 @@ namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
 constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
-// fp32 on AVX2 (16 registers, 8 lanes): up to AVX2_STREAM_ROWS rows stream each group of weights once, one or two
-// rows at a time; past them, 6-row register blocks (small_gemm_avx2_rows), for any number of rows.
+// On AVX2 (16 registers, 8 lanes; fp32, and bf16 widened to fp32): up to AVX2_STREAM_ROWS rows stream each group of
+// weights once, one or two rows at a time; past them, 6-row register blocks (small_gemm_avx2_rows), any number of rows.
 constexpr int64_t AVX2_STREAM_ROWS = 4;
 constexpr int64_t AVX2_GEMM_MAX_ROWS = std::numeric_limits<int64_t>::max();  // every GEMM
 constexpr int64_t AVX2_K_CHUNK = 1024;             // k per chunk of a block: 64 KiB of weights
@@ -226,7 +229,7 @@ inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride,
 // each 32-bit lane one output's k = 2p in its low half, 2p + 1 in its high half), widened exactly in registers: the
 // even k by a shift, the odd k by a mask (one load-and-op each, so no register holds the raw pair). A bf16 decode
 // step reads half the bytes of fp32; the multiply-adds are fp32's. KS: the k a loop step takes (a pair for bf16), so
-// that `half_k` (k's parity) is a constant where the loops unroll.
+// that `parity` (k's, within the step) is a constant where the loops unroll.
 template <typename W>
 constexpr int KS = std::is_same_v<W, bf16> ? 2 : 1;
 
@@ -350,10 +353,13 @@ inline void with_rows(int64_t rows, F&& f) {
 }  // namespace llm_cpu
 
 // Whether this build and this process can run small_gemm for bf16 (AMX: the kernel asks Linux for the tile state
-// once; or AVX512-BF16) or for fp32 (AVX-512) weights.
+// once; AVX512-BF16; or AVX2 and FMA, on a CPU without AVX-512) or for fp32 (AVX-512, AVX2 and FMA) weights. An AVX2
+// build (an image built for many nodes: LLM_CPU_KERNELS_MARCH) on a CPU with AVX-512 leaves bf16 to oneDNN, which
+// has bf16 GEMMs there (AMX or AVX512-BF16 instructions, or AVX-512 conversions).
 bool small_gemm_available(bool bf16) {
   if (!bf16) return LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA;
-  return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16 || LLM_HAVE_AVX2_FMA;
+  static const bool avx2_cpu = LLM_HAVE_AVX2_FMA && !__builtin_cpu_supports("avx512f");
+  return llm_cpu::amx_usable() || LLM_HAVE_AVX512_BF16 || avx2_cpu;
 }
 
 // The most rows small_gemm takes for bf16 or fp32 here: 64 on AMX tiles, 256 on vector units, any number on AVX2
@@ -443,7 +449,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 }
 
 #if LLM_HAVE_AVX2_FMA
-// fp32 on AVX2 past AVX2_STREAM_ROWS rows, in the loop order of BLIS (Van Zee & van de Geijn, ACM TOMS 2015,
+// fp32 and bf16 on AVX2 past AVX2_STREAM_ROWS rows, in the loop order of BLIS (Van Zee & van de Geijn, ACM TOMS 2015,
 // sec. 4): the rows in panels whose chunk of x (panel rows x AVX2_K_CHUNK, at most AVX2_PANEL_BYTES) stays in L2,
 // and within a panel, one block of 16 outputs at a time, the panel's rows through it in passes of up to 6
 // (fma_tile_avx2, rows spread evenly over the passes) and K in chunks: a chunk of the block (at most 64 KiB) stays in
@@ -469,8 +475,8 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), items)))
   {
     alignas(64) float c[AVX2_PANEL_MAX_ROWS * 16];
-    std::vector<float> wide_storage(std::is_same_v<W, bf16> ? AVX2_K_CHUNK * 16 + 16 : 0);
-    float* wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.data()) + 63) & ~uintptr_t{63});
+    std::unique_ptr<float[]> wide_storage;  // bf16: a chunk of weights widened, allocated at first use (not zeroed)
+    float* wide = nullptr;
     const int64_t threads = omp_get_num_threads();
     for (int64_t item = taken.fetch_add(1); item < items; item = taken.fetch_add(1)) {
       const int64_t panel = item / NB, nb = item % NB;
@@ -488,6 +494,10 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
         const float* widened = nullptr;
         if constexpr (std::is_same_v<W, bf16>) {
           if (passes >= 3) {
+            if (!wide) {
+              wide_storage.reset(new float[AVX2_K_CHUNK * 16 + 16]);
+              wide = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.get()) + 63) & ~uintptr_t{63});
+            }
             for (int64_t k = 0; k < kc; k += 2)
               for (int s = 0; s < 2; ++s)
                 for (int half = 0; half < 2; ++half)
@@ -534,7 +544,8 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
 #endif
     return small_gemm_vector<float>(out, x, packed, bias);
   }
-  TORCH_CHECK(small_gemm_available(true), "small_gemm: none of AMX, AVX512-BF16 or AVX2 with FMA is available");
+  TORCH_CHECK(small_gemm_available(true), "small_gemm: none of AMX, AVX512-BF16, or AVX2 with FMA on a CPU without "
+              "AVX-512 is available for bf16");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && M >= 1
               && M <= small_gemm_max_rows(true) && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
