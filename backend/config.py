@@ -229,6 +229,13 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def resolve_dtype(dtype: str, device: str, cpu_kernels: bool = True) -> str:
     """``dtype`` itself, or for ``auto``: bfloat16 on a CUDA GPU that supports it (float16 on others), and on a CPU
     where bf16 is at least as fast as fp32: one with AVX512-BF16 or AMX (hardware bf16 multiply-adds), or, when
@@ -243,7 +250,7 @@ def resolve_dtype(dtype: str, device: str, cpu_kernels: bool = True) -> str:
         return dtype
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+    if cpu_has_native_bf16():
         return "bfloat16"
     if not cpu_kernels:
         return "float32"

@@ -44,10 +44,9 @@ def measure_gemm_gflops(dtype: str, threads: int, n: int = 2048, repeats: int = 
 def peak_dtype(dtype: str) -> str:
     """The dtype whose matmul rate bounds GEMMs in ``dtype`` on this CPU: float32 for bfloat16 without bf16
     multiply-adds (no AVX512-BF16, no AMX), ``dtype`` itself otherwise."""
-    import torch
+    from backend.config import cpu_has_native_bf16
 
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return "float32" if dtype == "bfloat16" and not native_bf16 else dtype
+    return "float32" if dtype == "bfloat16" and not cpu_has_native_bf16() else dtype
 
 
 def _timed(fn) -> float:

@@ -246,9 +246,9 @@ def test_auto_dtype_is_bf16_only_where_it_runs_at_least_as_fast_as_fp32():
     """``dtype: auto`` on a CPU: bf16 with hardware bf16 (AVX512-BF16, AMX); on AVX2 without AVX-512, bf16 only when
     ``small_gemm`` runs it and the model's GEMMs go through the C++ kernels (else ``F.linear`` would run bf16 at
     several times fp32's time); fp32 otherwise. An explicit dtype is kept as given."""
-    from backend.config import resolve_dtype
+    from backend.config import cpu_has_native_bf16, resolve_dtype
 
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native = cpu_has_native_bf16()
     kernels_bf16 = kernels.cpu.small_gemm_available(torch.bfloat16)
     assert resolve_dtype("auto", "cpu") == ("bfloat16" if native or kernels_bf16 else "float32")
     assert resolve_dtype("auto", "cpu", cpu_kernels=False) == ("bfloat16" if native else "float32")
