@@ -145,15 +145,26 @@ constexpr int MAX_GROUP = 16;        // query heads per KV head
 // cache out of the CPU's caches: 29.5 ms plain, 27.2 with the 16-lane softmax, 26.0 with all three).
 constexpr int64_t PREFETCH_TOKENS = 32;
 
-// The rows of the tile PREFETCH_TOKENS ahead, prefetched a token at a time inside the loops that read this tile:
-// token i's key row while key i is scored, its value row while value i is summed (`attend_tile`, first query heads
-// of each KV head). Issued all at once at the tile's start instead, the 16 rows' lines (24 KiB in fp32 for
-// SmolLM2's three KV heads) overflow the core's queue of misses; the loads wait on memory and the arithmetic on the
-// loads, in turn, where spread out the two overlap.
+// The rows of the tile PREFETCH_TOKENS ahead, prefetched a little at a time inside the loops that read this tile.
+// Issued all at once at the tile's start instead, the 16 rows' lines (24 KiB in fp32 for SmolLM2's three KV heads)
+// overflow the core's queue of misses; the loads wait on memory and the arithmetic on the loads, in turn, where
+// spread out the two overlap. Two ways:
+// - `prefetch_row` (the 16-lane `attend_tile`, first query heads of each KV head): token i's key row while key i
+//   is scored, its value row while value i is summed;
+// - `next` (the AVX2 `attend_tile_avx2`): the later tile's lines as one stream in address order, keys then values
+//   of all the task's KV heads, one or two lines per step of the inner loops, so that the misses are spread
+//   evenly over the whole tile's arithmetic. A token's rows prefetched as in `prefetch_row` gained nothing on a
+//   Zen 3 EPYC (AVX2, 2 threads, batch 27, context 250-600, 30 layers out of the caches: fp32 41-45 ms with and
+//   without them); this stream takes 27-32 ms there, and bf16 21 ms against 24.
 struct TilePrefetch {
   const char* keys[16];
   const char* values[16];
   int n = 0;
+  int lines_per_row = 0;  // the task's KV heads' part of a row, in cache lines (`next`)
+  int row = 0, line = 0;  // `next`'s place: rows 0..n-1 are the keys, n..2n-1 the values
+
+  // Prefetches the next `count` cache lines of the stream (none once it has ended).
+  inline void next(int count);
 };
 
 // prefetcht2 that the compiler keeps: GCC 12 drops __builtin_prefetch from the value loops below (it treats them as
@@ -164,6 +175,13 @@ inline void prefetch_t2(const char* p) {
 #else
   __builtin_prefetch(p, 0, 1);
 #endif
+}
+
+inline void TilePrefetch::next(int count) {
+  for (int c = 0; c < count && row < 2 * n; ++c) {
+    prefetch_t2((row < n ? keys[row] : values[row - n]) + 64 * line);
+    if (++line == lines_per_row) { line = 0; ++row; }
+  }
 }
 
 // Token i's key (KEYS) or value row of the later tile, `BYTES` from element offset kv_offset (one KV head), if the
@@ -363,7 +381,7 @@ inline __m256 sum8x8(const __m256* v) {
 // all NH heads.
 template <typename T, int D, int NH>
 inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset, int n,
-                                   const float (*p)[16], const float* alpha, float* acc, const TilePrefetch* ahead) {
+                                   const float (*p)[16], const float* alpha, float* acc, TilePrefetch* ahead) {
   for (int c0 = 0; c0 < D; c0 += 16) {
     __m256 a[NH][2];
 #pragma GCC unroll 4
@@ -373,7 +391,7 @@ inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset
       a[h][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0 + 8), scale);
     }
     for (int i = 0; i < n; ++i) {
-      if (c0 == 0) prefetch_row<T, D * sizeof(T), false>(ahead, i, kv_offset);
+      if (ahead != nullptr) ahead->next(2);
       const T* row = value_rows[i] + kv_offset + c0;
       const __m256 v0 = load8(row), v1 = load8(row + 8);
 #pragma GCC unroll 4
@@ -395,11 +413,12 @@ inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset
 // against `n` keys read in place (fp32, or bf16 widened as they load: no fp32 copy of the tile). Scores go 8 keys at a time per head (8 independent multiply-add chains sharing
 // each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
 // heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see tile_kernel), their
-// scores masked.
+// scores masked. `ahead` (the later tile's stream, see TilePrefetch) moves on a line per step over the dimensions
+// of the scores and two per value row.
 template <typename T, int D>
 inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key_rows,
                              const T* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
-                             float* acc, const TilePrefetch* ahead) {
+                             float* acc, TilePrefetch* ahead) {
   alignas(32) float scores[MAX_GROUP][16];
   const int halves = n > 8 ? 2 : 1;
   for (int64_t g = 0; g < group; ++g) {
@@ -407,13 +426,13 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
     for (int half = 0; half < halves; ++half) {
       const T* key[8];
       for (int i = 0; i < 8; ++i) {
-        if (g == 0) prefetch_row<T, D * sizeof(T), true>(ahead, 8 * half + i, kv_offset);
         key[i] = key_rows[8 * half + i] + kv_offset;
       }
       __m256 dots[8];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(key[i]));
       for (int d = 8; d < D; d += 8) {
+        if (ahead != nullptr) ahead->next(1);
         const __m256 qd = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(key[i] + d), dots[i]);
@@ -442,12 +461,11 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
   }
   for (int64_t g = 0; g < group;) {
     const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
-    const TilePrefetch* rows_ahead = g == 0 ? ahead : nullptr;
     float* a = acc + g * D;
-    if (heads == 4) accumulate_values_avx2<T, D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else if (heads == 3) accumulate_values_avx2<T, D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else if (heads == 2) accumulate_values_avx2<T, D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else accumulate_values_avx2<T, D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    if (heads == 4) accumulate_values_avx2<T, D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
+    else if (heads == 3) accumulate_values_avx2<T, D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
+    else if (heads == 2) accumulate_values_avx2<T, D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
+    else accumulate_values_avx2<T, D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
     g += heads;
   }
 }
@@ -457,7 +475,7 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
 template <typename T, int D, bool BF16_DOT>
 inline void attend_tile_group(int64_t group, const T* const* q_raw, const vf16* qv, const T* const* key_rows,
                               const T* const* value_rows, int64_t kv_offset, const vf16* kt, const vf16* vt, int n, float scale, float* maximum,
-                              float* sum, vf16* acc, const TilePrefetch* ahead) {
+                              float* sum, vf16* acc, TilePrefetch* ahead) {
   constexpr int C = D / 16, NG_MAX = D == 64 ? 4 : 2;
 #if defined(LLM_AVX2_ONLY)
   if constexpr (AVX2_READS_IN_PLACE<T>) {
@@ -529,10 +547,16 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
       for (int64_t t0 = 0; t0 < seq_len; t0 += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, seq_len - t0));
         TilePrefetch ahead;
-        for (int64_t t = t0 + PREFETCH_TOKENS, stop = std::min<int64_t>(t + 16, seq_len); t < stop; ++t) {
-          const int64_t row = (table[t / block_size] * block_size + t % block_size) * row_stride + first_kv * D;
-          ahead.keys[ahead.n] = reinterpret_cast<const char*>(key_cache + row);
-          ahead.values[ahead.n++] = reinterpret_cast<const char*>(value_cache + row);
+        ahead.lines_per_row = static_cast<int>((heads_per_task * D * sizeof(T) + 63) / 64);
+        if (t0 + PREFETCH_TOKENS < seq_len) {
+          const int64_t first = t0 + PREFETCH_TOKENS, stop = std::min<int64_t>(first + 16, seq_len);
+          int64_t pblk = first / block_size, poff = first % block_size;
+          for (int64_t t = first; t < stop; ++t) {
+            const int64_t row = (table[pblk] * block_size + poff) * row_stride + first_kv * D;
+            if (++poff == block_size) { poff = 0; ++pblk; }
+            ahead.keys[ahead.n] = reinterpret_cast<const char*>(key_cache + row);
+            ahead.values[ahead.n++] = reinterpret_cast<const char*>(value_cache + row);
+          }
         }
         int64_t blk = t0 / block_size, off = t0 % block_size;
         const T* key_rows[16];
