@@ -377,35 +377,41 @@ inline __m256 sum8x8(const __m256* v) {
 }
 
 // acc[h] = acc[h] * alpha[h] + sum_i p[h][i] * v_i over the tile's n value rows, for NH (<= 4) query heads of one
-// KV head, 16 dimensions (one cache line of a row) at a time: 2 x NH accumulators, each row's line loaded once for
-// all NH heads.
+// KV head, 8 x V dimensions at a time, each row's part loaded once for all NH heads. V makes 8 to 12 accumulators
+// (NH x V independent multiply-add chains): with fewer, each chain waits on its last multiply-add (4 cycles) and
+// both FMA pipes are not kept busy (one head alone at 16 dimensions a pass had two chains). `ahead` moves on as
+// many lines per row as the pass reads (of the keys and of the values), so it ends within the tile.
 template <typename T, int D, int NH>
 inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset, int n,
                                    const float (*p)[16], const float* alpha, float* acc, TilePrefetch* ahead) {
-  for (int c0 = 0; c0 < D; c0 += 16) {
-    __m256 a[NH][2];
+  constexpr int V = NH == 1 ? 8 : NH == 4 ? 2 : 4;
+  constexpr int LINES = std::max<int>(1, 2 * 8 * V * static_cast<int>(sizeof(T)) / 64);
+  static_assert(D % (8 * V) == 0, "head_dim must be a multiple of the pass");
+  for (int c0 = 0; c0 < D; c0 += 8 * V) {
+    __m256 a[NH][V];
 #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
       const __m256 scale = _mm256_set1_ps(alpha[h]);
-      a[h][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0), scale);
-      a[h][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0 + 8), scale);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) a[h][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c0 + 8 * v), scale);
     }
     for (int i = 0; i < n; ++i) {
-      if (ahead != nullptr) ahead->next(2);
+      if (ahead != nullptr) ahead->next(LINES);
       const T* row = value_rows[i] + kv_offset + c0;
-      const __m256 v0 = load8(row), v1 = load8(row + 8);
+      __m256 pb[NH];
 #pragma GCC unroll 4
-      for (int h = 0; h < NH; ++h) {
-        const __m256 pb = _mm256_broadcast_ss(&p[h][i]);
-        a[h][0] = _mm256_fmadd_ps(pb, v0, a[h][0]);
-        a[h][1] = _mm256_fmadd_ps(pb, v1, a[h][1]);
+      for (int h = 0; h < NH; ++h) pb[h] = _mm256_broadcast_ss(&p[h][i]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        const __m256 x = load8(row + 8 * v);
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) a[h][v] = _mm256_fmadd_ps(pb[h], x, a[h][v]);
       }
     }
 #pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) {
-      _mm256_storeu_ps(acc + h * D + c0, a[h][0]);
-      _mm256_storeu_ps(acc + h * D + c0 + 8, a[h][1]);
-    }
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + h * D + c0 + 8 * v, a[h][v]);
   }
 }
 
@@ -414,7 +420,7 @@ inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset
 // each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
 // heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see tile_kernel), their
 // scores masked. `ahead` (the later tile's stream, see TilePrefetch) moves on a line per step over the dimensions
-// of the scores and two per value row.
+// of the scores and, over the values, as many as it reads.
 template <typename T, int D>
 inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key_rows,
                              const T* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
