@@ -152,8 +152,9 @@ constexpr int64_t PREFETCH_TOKENS = 32;
 // - `prefetch_row` (the 16-lane `attend_tile`, first query heads of each KV head): token i's key row while key i
 //   is scored, its value row while value i is summed;
 // - `next` (the AVX2 `attend_tile_avx2`): the later tile's lines as one stream in address order, keys then values
-//   of all the task's KV heads, one or two lines per step of the inner loops, so that the misses are spread
-//   evenly over the whole tile's arithmetic. A token's rows prefetched as in `prefetch_row` gained nothing on a
+//   of all the task's KV heads, advanced by the first query heads of each KV head: a line per step of their
+//   scores, and over their values twice the lines each pass reads, so that each KV head moves the stream on by
+//   its own share of the tile and the misses are spread over the whole tile's arithmetic. A token's rows prefetched as in `prefetch_row` gained nothing on a
 //   Zen 3 EPYC (AVX2, 2 threads, batch 27, context 250-600, 30 layers out of the caches: fp32 41-45 ms with and
 //   without them); this stream takes 27-32 ms there, and bf16 21 ms against 24.
 struct TilePrefetch {
@@ -178,9 +179,13 @@ inline void prefetch_t2(const char* p) {
 }
 
 inline void TilePrefetch::next(int count) {
-  for (int c = 0; c < count && row < 2 * n; ++c) {
-    prefetch_t2((row < n ? keys[row] : values[row - n]) + 64 * line);
-    if (++line == lines_per_row) { line = 0; ++row; }
+  while (count > 0 && row < 2 * n) {
+    const char* at = (row < n ? keys[row] : values[row - n]) + 64 * line;
+    const int take = std::min(count, lines_per_row - line);
+    for (int l = 0; l < take; ++l) prefetch_t2(at + 64 * l);
+    count -= take;
+    line += take;
+    if (line == lines_per_row) { line = 0; ++row; }
   }
 }
 
@@ -379,8 +384,9 @@ inline __m256 sum8x8(const __m256* v) {
 // acc[h] = acc[h] * alpha[h] + sum_i p[h][i] * v_i over the tile's n value rows, for NH (<= 4) query heads of one
 // KV head, 8 x V dimensions at a time, each row's part loaded once for all NH heads. V makes 8 to 12 accumulators
 // (NH x V independent multiply-add chains): with fewer, each chain waits on its last multiply-add (4 cycles) and
-// both FMA pipes are not kept busy (one head alone at 16 dimensions a pass had two chains). `ahead` moves on as
-// many lines per row as the pass reads (of the keys and of the values), so it ends within the tile.
+// both FMA pipes are not kept busy (one head alone at 16 dimensions a pass had two chains). `ahead`, where given,
+// moves on by twice the lines each row's pass reads (the later tile's keys and values): one KV head's share of the
+// stream over all the passes.
 template <typename T, int D, int NH>
 inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset, int n,
                                    const float (*p)[16], const float* alpha, float* acc, TilePrefetch* ahead) {
@@ -420,7 +426,7 @@ inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset
 // each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
 // heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see tile_kernel), their
 // scores masked. `ahead` (the later tile's stream, see TilePrefetch) moves on a line per step over the dimensions
-// of the scores and, over the values, as many as it reads.
+// of the first head's scores, and over the first heads' values by twice the lines each pass reads.
 template <typename T, int D>
 inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key_rows,
                              const T* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
@@ -438,7 +444,7 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(key[i]));
       for (int d = 8; d < D; d += 8) {
-        if (ahead != nullptr) ahead->next(1);
+        if (g == 0) ahead->next(1);
         const __m256 qd = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(key[i] + d), dots[i]);
@@ -468,10 +474,11 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
   for (int64_t g = 0; g < group;) {
     const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
     float* a = acc + g * D;
-    if (heads == 4) accumulate_values_avx2<T, D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
-    else if (heads == 3) accumulate_values_avx2<T, D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
-    else if (heads == 2) accumulate_values_avx2<T, D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
-    else accumulate_values_avx2<T, D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, ahead);
+    TilePrefetch* rows_ahead = g == 0 ? ahead : nullptr;
+    if (heads == 4) accumulate_values_avx2<T, D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else if (heads == 3) accumulate_values_avx2<T, D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else if (heads == 2) accumulate_values_avx2<T, D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    else accumulate_values_avx2<T, D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
     g += heads;
   }
 }
