@@ -421,6 +421,52 @@ inline void accumulate_values_avx2(const T* const* value_rows, int64_t kv_offset
   }
 }
 
+// Scores of NH (<= 4) query heads (`q`: fp32, scaled, D floats each) against the tile's bf16 keys, 8 keys a half:
+// each 8 dimensions of a key are widened once for all NH heads (KB keys x NH heads of independent multiply-add
+// chains, the queries as the multiply-adds' memory operands), then each head's 8 dot products are summed across
+// lanes by `sum8x8`. The same sums in the same order as one head at a time. `ahead`, where given, moves on a line
+// per step over the dimensions of the first KB keys.
+template <int D, int NH>
+inline void score_keys_bf16(const float* q, const bf16* const* key_rows, int64_t kv_offset, int halves,
+                            float (*scores)[16], TilePrefetch* ahead) {
+  constexpr int KB = NH == 1 ? 8 : NH == 4 ? 2 : 4;
+  for (int half = 0; half < halves; ++half) {
+    alignas(32) float dots[NH][8][8];
+    for (int k0 = 0; k0 < 8; k0 += KB) {
+      const bf16* key[KB];
+#pragma GCC unroll 8
+      for (int k = 0; k < KB; ++k) key[k] = key_rows[8 * half + k0 + k] + kv_offset;
+      __m256 a[NH][KB];
+#pragma GCC unroll 8
+      for (int k = 0; k < KB; ++k) {
+        const __m256 x = load8(key[k]);
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; ++h) a[h][k] = _mm256_mul_ps(_mm256_loadu_ps(q + h * D), x);
+      }
+      for (int d = 8; d < D; d += 8) {
+        if (ahead != nullptr && k0 == 0) ahead->next(1);
+#pragma GCC unroll 8
+        for (int k = 0; k < KB; ++k) {
+          const __m256 x = load8(key[k] + d);
+#pragma GCC unroll 4
+          for (int h = 0; h < NH; ++h) a[h][k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), x, a[h][k]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+        for (int k = 0; k < KB; ++k) _mm256_store_ps(dots[h][k0 + k], a[h][k]);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      __m256 v[8];
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) v[k] = _mm256_load_ps(dots[h][k]);
+      _mm256_store_ps(scores[h] + 8 * half, sum8x8(v));
+    }
+  }
+}
+
 // Decode on AVX2: the `group` query heads of one KV head (queries `qv`, fp32 and scaled, D floats each)
 // against `n` keys read in place (fp32, or bf16 widened as they load: no fp32 copy of the tile). Scores go 8 keys at a time per head (8 independent multiply-add chains sharing
 // each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
@@ -433,26 +479,37 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
                              float* acc, TilePrefetch* ahead) {
   alignas(32) float scores[MAX_GROUP][16];
   const int halves = n > 8 ? 2 : 1;
-  for (int64_t g = 0; g < group; ++g) {
-    const float* q = qv + g * D;
-    for (int half = 0; half < halves; ++half) {
-      const T* key[8];
-      for (int i = 0; i < 8; ++i) {
-        key[i] = key_rows[8 * half + i] + kv_offset;
-      }
-      __m256 dots[8];
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(key[i]));
-      for (int d = 8; d < D; d += 8) {
-        if (g == 0) ahead->next(1);
-        const __m256 qd = _mm256_loadu_ps(q + d);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(key[i] + d), dots[i]);
-      }
-      _mm256_store_ps(scores[g] + 8 * half, sum8x8(dots));
+  if constexpr (std::is_same_v<T, bf16>) {  // each key widened once for up to 4 query heads
+    for (int64_t g = 0; g < group;) {
+      const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
+      TilePrefetch* keys_ahead = g == 0 ? ahead : nullptr;
+      if (heads == 4) score_keys_bf16<D, 4>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
+      else if (heads == 3) score_keys_bf16<D, 3>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
+      else if (heads == 2) score_keys_bf16<D, 2>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
+      else score_keys_bf16<D, 1>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
+      g += heads;
     }
-    if (halves == 1) _mm256_store_ps(scores[g] + 8, _mm256_setzero_ps());
+  } else {  // fp32 keys load as the multiply-adds' memory operands: nothing to share between heads
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = qv + g * D;
+      for (int half = 0; half < halves; ++half) {
+        const T* key[8];
+        for (int i = 0; i < 8; ++i) key[i] = key_rows[8 * half + i] + kv_offset;
+        __m256 dots[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(key[i]));
+        for (int d = 8; d < D; d += 8) {
+          if (g == 0) ahead->next(1);
+          const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, load8(key[i] + d), dots[i]);
+        }
+        _mm256_store_ps(scores[g] + 8 * half, sum8x8(dots));
+      }
+    }
   }
+  if (halves == 1)
+    for (int64_t g = 0; g < group; ++g) _mm256_store_ps(scores[g] + 8, _mm256_setzero_ps());
   float alpha[MAX_GROUP];
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
