@@ -154,9 +154,10 @@ constexpr int64_t PREFETCH_TOKENS = 32;
 // - `next` (the AVX2 `attend_tile_avx2`): the later tile's lines as one stream in address order, keys then values
 //   of all the task's KV heads, advanced by the first query heads of each KV head: a line per step of their
 //   scores, and over their values twice the lines each pass reads, so that each KV head moves the stream on by
-//   its own share of the tile and the misses are spread over the whole tile's arithmetic. A token's rows prefetched as in `prefetch_row` gained nothing on a
-//   Zen 3 EPYC (AVX2, 2 threads, batch 27, context 250-600, 30 layers out of the caches: fp32 41-45 ms with and
-//   without them); this stream takes 27-32 ms there, and bf16 21 ms against 24.
+//   its own share of the tile and the misses are spread over the whole tile's arithmetic. A token's rows
+//   prefetched as in `prefetch_row` gained nothing on a Zen 3 EPYC (AVX2, 2 threads, batch 27, context 250-600,
+//   30 layers out of the caches: fp32 41-45 ms with and without them); this stream takes 27-32 ms there, and
+//   bf16 21 ms against 24.
 struct TilePrefetch {
   const char* keys[16];
   const char* values[16];
@@ -468,11 +469,13 @@ inline void score_keys_bf16(const float* q, const bf16* const* key_rows, int64_t
 }
 
 // Decode on AVX2: the `group` query heads of one KV head (queries `qv`, fp32 and scaled, D floats each)
-// against `n` keys read in place (fp32, or bf16 widened as they load: no fp32 copy of the tile). Scores go 8 keys at a time per head (8 independent multiply-add chains sharing
-// each query vector, summed across lanes together by `sum8x8`); the softmax runs on 8 lanes; values go by up to 4
-// heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see tile_kernel), their
-// scores masked. `ahead` (the later tile's stream, see TilePrefetch) moves on a line per step over the dimensions
-// of the first head's scores, and over the first heads' values by twice the lines each pass reads.
+// against `n` keys read in place (fp32, or bf16 widened as they load: no fp32 copy of the tile). fp32 scores go 8
+// keys at a time per head (8 independent multiply-add chains sharing each query vector, summed across lanes
+// together by `sum8x8`), bf16 ones by up to 4 heads at once (`score_keys_bf16`); the softmax runs on 8 lanes;
+// values go by up to 4 heads at once (`accumulate_values_avx2`). Rows past n are the tile's last key again (see
+// tile_kernel), their scores masked. `ahead` (the later tile's stream, see TilePrefetch) moves on a line per step
+// over the dimensions of the first head's scores, and over the first heads' values by twice the lines each pass
+// reads.
 template <typename T, int D>
 inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key_rows,
                              const T* const* value_rows, int64_t kv_offset, int n, float* maximum, float* sum,
