@@ -382,6 +382,17 @@ inline __m256 sum8x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// f(std::integral_constant<int, NH>{}) for NH = heads (1 to 4): the query heads of a KV head taken together.
+template <typename F>
+inline void with_heads(int64_t heads, F&& f) {
+  switch (heads) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 // acc[h] = acc[h] * alpha[h] + sum_i p[h][i] * v_i over the tile's n value rows, for NH (<= 4) query heads of one
 // KV head, 8 x V dimensions at a time, each row's part loaded once for all NH heads. V makes 8 to 12 accumulators
 // (NH x V independent multiply-add chains): with fewer, each chain waits on its last multiply-add (4 cycles) and
@@ -484,12 +495,11 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
   const int halves = n > 8 ? 2 : 1;
   if constexpr (std::is_same_v<T, bf16>) {  // each key widened once for up to 4 query heads
     for (int64_t g = 0; g < group;) {
-      const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
-      TilePrefetch* keys_ahead = g == 0 ? ahead : nullptr;
-      if (heads == 4) score_keys_bf16<D, 4>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
-      else if (heads == 3) score_keys_bf16<D, 3>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
-      else if (heads == 2) score_keys_bf16<D, 2>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
-      else score_keys_bf16<D, 1>(qv + g * D, key_rows, kv_offset, halves, scores + g, keys_ahead);
+      const int64_t heads = std::min<int64_t>(4, group - g);
+      with_heads(heads, [&](auto nh) {
+        score_keys_bf16<D, decltype(nh)::value>(qv + g * D, key_rows, kv_offset, halves, scores + g,
+                                                g == 0 ? ahead : nullptr);
+      });
       g += heads;
     }
   } else {  // fp32 keys load as the multiply-adds' memory operands: nothing to share between heads
@@ -532,13 +542,11 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
     sum[g] = sum[g] * alpha[g] + reduce8(_mm256_add_ps(e_lo, e_hi), false);
   }
   for (int64_t g = 0; g < group;) {
-    const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
-    float* a = acc + g * D;
-    TilePrefetch* rows_ahead = g == 0 ? ahead : nullptr;
-    if (heads == 4) accumulate_values_avx2<T, D, 4>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else if (heads == 3) accumulate_values_avx2<T, D, 3>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else if (heads == 2) accumulate_values_avx2<T, D, 2>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
-    else accumulate_values_avx2<T, D, 1>(value_rows, kv_offset, n, scores + g, alpha + g, a, rows_ahead);
+    const int64_t heads = std::min<int64_t>(4, group - g);
+    with_heads(heads, [&](auto nh) {
+      accumulate_values_avx2<T, D, decltype(nh)::value>(value_rows, kv_offset, n, scores + g, alpha + g, acc + g * D,
+                                                       g == 0 ? ahead : nullptr);
+    });
     g += heads;
   }
 }
