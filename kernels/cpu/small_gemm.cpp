@@ -301,8 +301,8 @@ inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const W* w, i
 // MB (1-6) rows against one block of 16 outputs over k in [0, kc), the 6 x 16 register block of BLIS's Haswell
 // sgemm kernel (Van Zee & van de Geijn, "BLIS", ACM TOMS 2015; 12 accumulators, the block's two weight vectors, a
 // broadcast row value): c[m * 16 + n] (+)= sum_k x[m * ldx + k] w[k][n] (weights8's layouts), k in order, so
-// splitting K into chunks (accumulate: start from c) gives the same sums bit for bit. With `pf`, lines
-// pf + 64 * i for i < pf_lines (<= kc) are prefetched into L2, one per k.
+// splitting K into chunks (accumulate: start from c) gives the same sums bit for bit. Lines pf + 64 * i for
+// i < pf_lines are prefetched into L2, spread evenly over the k.
 template <int MB, typename W>
 inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, float* c, bool accumulate,
                           const char* pf, int64_t pf_lines) {
@@ -313,10 +313,14 @@ inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, f
     acc[m][0] = accumulate ? _mm256_load_ps(c + 16 * m) : _mm256_setzero_ps();
     acc[m][1] = accumulate ? _mm256_load_ps(c + 16 * m + 8) : _mm256_setzero_ps();
   }
+  // pf_lines / kc lines per k, the remainder carried over (as in Bresenham's line). Issued in a burst at the start
+  // of the pass instead, they filled the core's queue of misses and the multiply-adds waited behind them: 12-27
+  // rows ran at 80-130 GFLOP/s on weights streamed from memory against 150-180 on weights in L2 (Zen 3).
+  int64_t pf_due = 0, pf_i = 0;
   for (int64_t k = 0; k < kc; k += KS<W>) {
 #pragma GCC unroll 2
     for (int s = 0; s < KS<W>; ++s) {
-      if (k + s < pf_lines) __builtin_prefetch(pf + 64 * (k + s), 0, 1);
+      for (pf_due += pf_lines; pf_due >= kc; pf_due -= kc) __builtin_prefetch(pf + 64 * pf_i++, 0, 1);
       const __m256 w0 = weights8(w, k, s, 0), w1 = weights8(w, k, s, 1);
 #pragma GCC unroll 6
       for (int m = 0; m < MB; ++m) {
@@ -454,9 +458,10 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 // and within a panel, one block of 16 outputs at a time, the panel's rows through it in passes of up to 6
 // (fma_tile_avx2, rows spread evenly over the passes) and K in chunks: a chunk of the block (at most 64 KiB) stays in
 // L2 from the first pass, which streams it from memory, to the last. Threads take (panel, block) items in order,
-// so both work on the same panel of x at a time. The first chunk of the item a thread most likely takes next (the
-// threads take items in turn) is prefetched into L2 over the passes of the current item's last chunk, a share per
-// pass, so that the next item's first pass does not wait on memory (as NextGroup does for the paths above).
+// so both work on the same panel of x at a time. The chunk whose first pass comes next is prefetched into L2 over
+// the passes of the current chunk, a share per pass: the item's next chunk, and over its last chunk the first chunk
+// of the item the thread most likely takes next (the threads take items in turn), with two or more passes. So a
+// first pass does not wait on memory (as NextGroup does for the paths above).
 // W: the weights', bias's and output's type (fp32, or bf16 in the pair layout, rounded once at the store); x fp32.
 template <typename W>
 static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
@@ -487,8 +492,12 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
       const char* next_w = passes >= 2 && next < items ? reinterpret_cast<const char*>(ws + next % NB * K * 16) : nullptr;
       for (int64_t k0 = 0; k0 < K; k0 += AVX2_K_CHUNK) {
         const int64_t kc = std::min(AVX2_K_CHUNK, K - k0);
-        // the next item's first chunk of weights, at most a line per k
-        const int64_t pf_lines = next_w && k0 + kc == K ? std::min(kc, kc_max * 16 * static_cast<int64_t>(sizeof(W)) / 64) : 0;
+        // The weights the next first pass reads, spread over this chunk's passes: the item's next chunk, else the
+        // next item's first chunk.
+        const bool last = k0 + kc == K;
+        const char* pf = last ? next_w : reinterpret_cast<const char*>(w + (k0 + kc) * 16);
+        const int64_t pf_lines = !pf ? 0 : (last ? kc_max : std::min(AVX2_K_CHUNK, K - k0 - kc))
+                                               * 16 * static_cast<int64_t>(sizeof(W)) / 64;
         // bf16 weights that three or more passes read: the chunk widened to fp32 once, into `wide` (64 KiB, in L2
         // beside the panel), and the passes run fp32's loop on it; widened in every pass, they ran 1.3-1.5x fp32's time.
         const float* widened = nullptr;
@@ -512,8 +521,8 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
             constexpr int MB = decltype(mb)::value;
             const float* x = xs + m0 * K + k0;
             float* cm = c + (m0 - r0) * 16;
-            if (widened) fma_tile_avx2<MB>(x, K, kc, widened, cm, k0 > 0, next_w + 64 * first, share);
-            else fma_tile_avx2<MB>(x, K, kc, w + k0 * 16, cm, k0 > 0, next_w + 64 * first, share);
+            if (widened) fma_tile_avx2<MB>(x, K, kc, widened, cm, k0 > 0, pf + 64 * first, share);
+            else fma_tile_avx2<MB>(x, K, kc, w + k0 * 16, cm, k0 > 0, pf + 64 * first, share);
           });
           m0 += rows;
         }
