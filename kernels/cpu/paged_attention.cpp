@@ -854,13 +854,13 @@ void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf
 // Queries go by `VECTORS` at a time, their multiply-adds independent: a small register-blocked GEMM per tile.
 constexpr int64_t QUERY_ROWS = 16;
 #if defined(LLM_AVX2_ONLY)
-constexpr int VECTORS = 2;  // AVX2's 16 registers hold two vectors' accumulators for a quarter row of D
+constexpr int VECTORS = 6;  // 12 of AVX2's 16 registers: 6 vectors x 16 scores, or x 16 dimensions of values
 #else
 constexpr int VECTORS = 4;
 #endif
 
 // dst[j][i] = src[i * stride + j] for a 16 x 16 block of floats (dst: 16 rows of 16, contiguous): with AVX-512,
-// four rounds of shuffles across the 16 vectors instead of 256 scalar moves.
+// four rounds of shuffles across the 16 vectors instead of 256 scalar moves; with AVX2, three per 8 x 8 block.
 inline void transpose16(const float* src, int64_t stride, float* dst) {
 #if defined(__AVX512F__)
   __m512 r[16], t[16];
@@ -885,6 +885,28 @@ inline void transpose16(const float* src, int64_t stride, float* dst) {
     _mm512_storeu_ps(dst + 16 * i, _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
     _mm512_storeu_ps(dst + 16 * (8 + i), _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
   }
+#elif defined(__AVX2__)
+  for (int bi = 0; bi < 16; bi += 8)  // four 8 x 8 blocks, three rounds of shuffles each
+    for (int bj = 0; bj < 16; bj += 8) {
+      const float* s = src + bi * stride + bj;
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * stride);
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {
+        r[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      float* d = dst + 16 * bj + bi;
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(d + 16 * i, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(d + 16 * (4 + i), _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+      }
+    }
 #else
   for (int i = 0; i < 16; ++i)
     for (int j = 0; j < 16; ++j) dst[16 * j + i] = src[i * stride + j];
@@ -921,10 +943,13 @@ inline void softmax_tile(const vf16* s, const int* n, int count, float* maxima, 
 }
 
 #if defined(LLM_AVX2_ONLY)
-// The AVX2 form of the block below, written with 8-lane intrinsics: GCC lowers the 16-float vector type to pairs
-// of AVX2 registers through the stack, which made this loop about ten times slower than SDPA. Scores: two
-// registers (the tile's keys 0-7 and 8-15) per query vector; the softmax on 8 lanes; values summed a quarter
-// row of D (four registers per vector) at a time, so the accumulators stay in registers.
+// The AVX2 form of the block below, written with 8-lane intrinsics (GCC lowers the 16-float vector type to pairs of
+// AVX2 registers through the stack, about ten times slower). Both products are 6 x 16 register blocks, the shape of
+// BLIS's Haswell sgemm kernel (Van Zee & van de Geijn, ACM TOMS 2015): the scores of 6 query vectors against the
+// tile's 16 keys (two registers per vector, a broadcast of q[j][d] against the transposed keys' dimension d), then
+// the values 16 dimensions at a time (two registers per vector, p[j][i] broadcast against value row i): 12
+// independent multiply-add chains, two vector loads and 6 broadcasts per 12 multiply-adds. Each output's sum runs
+// over d, and over the keys, in order.
 template <int D>
 inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, const int* n, int count,
                               float* maxima, float* sums, vf16* acc) {
@@ -932,25 +957,35 @@ inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, co
   const float* vtf = reinterpret_cast<const float*>(vt);  // row i: value i, D floats
   float* accf = reinterpret_cast<float*>(acc);            // vector j: D floats
   __m256 lo[VECTORS], hi[VECTORS];
+#pragma GCC unroll 6
   for (int j = 0; j < VECTORS; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
+  for (int d = 0; d < D; ++d) {  // vectors past `count` hold earlier tasks' (finite) queries: computed, unused
     const __m256 k_lo = _mm256_loadu_ps(ktf + 16 * d), k_hi = _mm256_loadu_ps(ktf + 16 * d + 8);
+#pragma GCC unroll 6
     for (int j = 0; j < VECTORS; ++j) {
       const __m256 qb = _mm256_broadcast_ss(q + j * D + d);
       lo[j] = _mm256_fmadd_ps(qb, k_lo, lo[j]);
       hi[j] = _mm256_fmadd_ps(qb, k_hi, hi[j]);
     }
   }
-  alignas(64) float p[VECTORS * 16] = {};
+  // Stored once here, and every loop over the vectors that indexes a register array unrolled: else GCC keeps
+  // the accumulators in memory, a store per multiply-add.
+  alignas(64) float scores[VECTORS * 16], p[VECTORS * 16] = {};
+#pragma GCC unroll 6
+  for (int j = 0; j < VECTORS; ++j) {
+    _mm256_store_ps(scores + 16 * j, lo[j]);
+    _mm256_store_ps(scores + 16 * j + 8, hi[j]);
+  }
   float alpha[VECTORS] = {};
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int keys = 0;
   for (int j = 0; j < count; ++j) {
     const __m256i nn = _mm256_set1_epi32(n[j]);
     const __m256 valid_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nn, lanes));
     const __m256 valid_hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nn, _mm256_add_epi32(lanes, _mm256_set1_epi32(8))));
-    const __m256 x_lo = _mm256_blendv_ps(minus_inf, lo[j], valid_lo);
-    const __m256 x_hi = _mm256_blendv_ps(minus_inf, hi[j], valid_hi);
+    const __m256 x_lo = _mm256_blendv_ps(minus_inf, _mm256_load_ps(scores + 16 * j), valid_lo);
+    const __m256 x_hi = _mm256_blendv_ps(minus_inf, _mm256_load_ps(scores + 16 * j + 8), valid_hi);
     const float m = std::max(maxima[j], reduce8(_mm256_max_ps(x_lo, x_hi), true));
     const __m256 mv = _mm256_set1_ps(m);
     const __m256 e_lo = _mm256_and_ps(valid_lo, exp_nonpositive8(_mm256_sub_ps(x_lo, mv)));
@@ -960,30 +995,32 @@ inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, co
     alpha[j] = exp_nonpositive(maxima[j] - m);
     maxima[j] = m;
     sums[j] = sums[j] * alpha[j] + reduce8(_mm256_add_ps(e_lo, e_hi), false);
+    keys = std::max(keys, n[j]);
   }
-  int keys = 0;
-  for (int j = 0; j < count; ++j) keys = std::max(keys, n[j]);
-  for (int c0 = 0; c0 < D; c0 += 32) {
-    __m256 a[VECTORS][4];
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    __m256 a[VECTORS][2];
+#pragma GCC unroll 6
     for (int j = 0; j < VECTORS; ++j) {
       const __m256 scale = _mm256_set1_ps(alpha[j]);
-      for (int c = 0; c < 4; ++c)
-        a[j][c] = j < count ? _mm256_mul_ps(_mm256_loadu_ps(accf + j * D + c0 + 8 * c), scale) : _mm256_setzero_ps();
+      a[j][0] = j < count ? _mm256_mul_ps(_mm256_loadu_ps(accf + j * D + c0), scale) : _mm256_setzero_ps();
+      a[j][1] = j < count ? _mm256_mul_ps(_mm256_loadu_ps(accf + j * D + c0 + 8), scale) : _mm256_setzero_ps();
     }
     for (int i = 0; i < keys; ++i) {
-      const float* row = vtf + i * D + c0;
-      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
-      const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+      const __m256 v0 = _mm256_loadu_ps(vtf + i * D + c0), v1 = _mm256_loadu_ps(vtf + i * D + c0 + 8);
+#pragma GCC unroll 6
       for (int j = 0; j < VECTORS; ++j) {
         const __m256 pb = _mm256_broadcast_ss(p + 16 * j + i);
         a[j][0] = _mm256_fmadd_ps(pb, v0, a[j][0]);
         a[j][1] = _mm256_fmadd_ps(pb, v1, a[j][1]);
-        a[j][2] = _mm256_fmadd_ps(pb, v2, a[j][2]);
-        a[j][3] = _mm256_fmadd_ps(pb, v3, a[j][3]);
       }
     }
-    for (int j = 0; j < count; ++j)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(accf + j * D + c0 + 8 * c, a[j][c]);
+#pragma GCC unroll 6
+    for (int j = 0; j < VECTORS; ++j) {
+      if (j < count) {
+        _mm256_storeu_ps(accf + j * D + c0, a[j][0]);
+        _mm256_storeu_ps(accf + j * D + c0 + 8, a[j][1]);
+      }
+    }
   }
 }
 #else
@@ -1018,6 +1055,24 @@ inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, co
     for (int c = 0; c < C; ++c) acc[j * C + c] = a[j][c];
 }
 #endif
+
+// src[0..D) in fp32 at dst (bf16 widened exactly): with AVX2, in 8-lane registers (GCC moves the 16-float vector
+// type through 16-byte halves there).
+template <int D, typename T>
+inline void row_to_fp32(const T* src, float* dst) {
+#if defined(LLM_AVX2_ONLY)
+  for (int c = 0; c < D; c += 8) {
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_storeu_ps(dst + c, _mm256_loadu_ps(src + c));
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
+      _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+#else
+  for (int c = 0; c < D; c += 16) store_vf16(dst + c, load_vf16(src + c));
+#endif
+}
 
 template <typename T, int D>
 void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_cache, const T* value_cache,
@@ -1059,15 +1114,15 @@ void prefill_tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_
         sums[v] = 0.f;
       }
       const int64_t keys = past + r1;  // the last row's position + 1
-      for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+      for (int64_t t0 = 0, blk = 0, off = 0; t0 < keys; t0 += 16) {  // token t0 + i at offset off of block blk
         const int tile = static_cast<int>(std::min<int64_t>(16, keys - t0));
         alignas(64) float keys_fp32[16][D];  // the tile's keys in fp32, one row per token, then transposed
         for (int i = 0; i < 16; ++i) {
           if (i < tile) {
-            const int64_t t = t0 + i;
-            const int64_t row = (table[t / block_size] * block_size + t % block_size) * row_stride + kv_head * D;
-            for (int c = 0; c < C; ++c) store_vf16(keys_fp32[i] + 16 * c, load_vf16(key_cache + row + 16 * c));
-            for (int c = 0; c < C; ++c) value_tile[i * C + c] = load_vf16(value_cache + row + 16 * c);
+            const int64_t row = (table[blk] * block_size + off) * row_stride + kv_head * D;
+            if (++off == block_size) off = 0, ++blk;
+            row_to_fp32<D>(key_cache + row, keys_fp32[i]);
+            row_to_fp32<D>(value_cache + row, reinterpret_cast<float*>(value_tile.data() + i * C));
           } else {
             for (int c = 0; c < C; ++c) store_vf16(keys_fp32[i] + 16 * c, vf16{});
             for (int c = 0; c < C; ++c) value_tile[i * C + c] = vf16{};
