@@ -302,7 +302,9 @@ inline void fma_rows_avx2(const float* x, int64_t rows, int64_t K, const W* w, i
 // sgemm kernel (Van Zee & van de Geijn, "BLIS", ACM TOMS 2015; 12 accumulators, the block's two weight vectors, a
 // broadcast row value): c[m * 16 + n] (+)= sum_k x[m * ldx + k] w[k][n] (weights8's layouts), k in order, so
 // splitting K into chunks (accumulate: start from c) gives the same sums bit for bit. Lines pf + 64 * i for
-// i < pf_lines are prefetched into L2, spread evenly over the k.
+// i < pf_lines are prefetched into L2: fp32 weights spread evenly over the k; bf16 weights (widened here) one per k
+// from the first (pf_lines <= kc), which measured faster for them (the spread took 1.4-1.5x the time at 8-12 rows
+// of the 1.7B shape's layers on a Zen 3).
 template <int MB, typename W>
 inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, float* c, bool accumulate,
                           const char* pf, int64_t pf_lines) {
@@ -320,7 +322,11 @@ inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, f
   for (int64_t k = 0; k < kc; k += KS<W>) {
 #pragma GCC unroll 2
     for (int s = 0; s < KS<W>; ++s) {
-      for (pf_due += pf_lines; pf_due >= kc; pf_due -= kc) __builtin_prefetch(pf + 64 * pf_i++, 0, 1);
+      if constexpr (KS<W> == 1) {
+        for (pf_due += pf_lines; pf_due >= kc; pf_due -= kc) __builtin_prefetch(pf + 64 * pf_i++, 0, 1);
+      } else if (k + s < pf_lines) {
+        __builtin_prefetch(pf + 64 * (k + s), 0, 1);
+      }
       const __m256 w0 = weights8(w, k, s, 0), w1 = weights8(w, k, s, 1);
 #pragma GCC unroll 6
       for (int m = 0; m < MB; ++m) {
@@ -492,12 +498,13 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
       const char* next_w = passes >= 2 && next < items ? reinterpret_cast<const char*>(ws + next % NB * K * 16) : nullptr;
       for (int64_t k0 = 0; k0 < K; k0 += AVX2_K_CHUNK) {
         const int64_t kc = std::min(AVX2_K_CHUNK, K - k0);
-        // The weights the next first pass reads, spread over this chunk's passes: the item's next chunk, else the
-        // next item's first chunk.
-        const bool last = k0 + kc == K;
-        const char* pf = last ? next_w : reinterpret_cast<const char*>(w + (k0 + kc) * 16);
-        const int64_t pf_lines = !pf ? 0 : (last ? kc_max : std::min(AVX2_K_CHUNK, K - k0 - kc))
-                                               * 16 * static_cast<int64_t>(sizeof(W)) / 64;
+        // The weights the next first pass reads, a share per pass of this chunk: the item's next chunk, else the
+        // next item's first chunk (bf16 widened in the passes, as before the spread: the next item's, at most kc).
+        const bool last = k0 + kc == K, bf16_passes = std::is_same_v<W, bf16> && passes < 3;
+        const char* pf = last ? next_w : bf16_passes ? nullptr : reinterpret_cast<const char*>(w + (k0 + kc) * 16);
+        int64_t pf_lines = !pf ? 0 : (last ? kc_max : std::min(AVX2_K_CHUNK, K - k0 - kc))
+                                         * 16 * static_cast<int64_t>(sizeof(W)) / 64;
+        if (bf16_passes) pf_lines = std::min(pf_lines, kc);
         // bf16 weights that three or more passes read: the chunk widened to fp32 once, into `wide` (64 KiB, in L2
         // beside the panel), and the passes run fp32's loop on it; widened in every pass, they ran 1.3-1.5x fp32's time.
         const float* widened = nullptr;
