@@ -959,7 +959,7 @@ inline void attend_tile_block(const float* q, const vf16* kt, const vf16* vt, co
   __m256 lo[VECTORS], hi[VECTORS];
 #pragma GCC unroll 6
   for (int j = 0; j < VECTORS; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {  // vectors past `count` hold earlier tasks' (finite) queries: computed, unused
+  for (int d = 0; d < D; ++d) {  // vectors past `count` (an earlier task's queries, or zeros): computed, not used
     const __m256 k_lo = _mm256_loadu_ps(ktf + 16 * d), k_hi = _mm256_loadu_ps(ktf + 16 * d + 8);
 #pragma GCC unroll 6
     for (int j = 0; j < VECTORS; ++j) {

@@ -465,9 +465,9 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 // (fma_tile_avx2, rows spread evenly over the passes) and K in chunks: a chunk of the block (at most 64 KiB) stays in
 // L2 from the first pass, which streams it from memory, to the last. Threads take (panel, block) items in order,
 // so both work on the same panel of x at a time. The chunk whose first pass comes next is prefetched into L2 over
-// the passes of the current chunk, a share per pass: the item's next chunk, and over its last chunk the first chunk
-// of the item the thread most likely takes next (the threads take items in turn), with two or more passes. So a
-// first pass does not wait on memory (as NextGroup does for the paths above).
+// the passes of the current chunk, a share per pass: the item's next chunk; over its last chunk, where the item has
+// two or more passes, the first chunk of the item the thread most likely takes next (the threads take items in
+// turn). So a first pass does not wait on memory (as NextGroup does for the paths above).
 // W: the weights', bias's and output's type (fp32, or bf16 in the pair layout, rounded once at the store); x fp32.
 template <typename W>
 static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
