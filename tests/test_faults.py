@@ -91,13 +91,13 @@ def frontend_of(launcher) -> psutil.Process:
 def serving_again(launcher, openai_port: int, since: float, timeout_s: float = 240) -> float:
     """Seconds from ``since`` until a completion through the frontend and one on Triton both succeed."""
     client = LLMClient(launcher.grpc_url, launcher.http_url)
-    body = {"model": "llm", "prompt": "Hello", "max_tokens": 4}
+    body = {"model": "llm", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}  # sampled: EOS may come first
     while True:
         assert time.monotonic() - since < timeout_s, launcher.log()[-3000:]
         assert launcher.process.poll() is None, launcher.log()[-3000:]
         try:
             answer = requests.post(f"http://127.0.0.1:{openai_port}/v1/completions", json=body, timeout=30)
-            if answer.status_code == 200 and client.generate("Hello", max_tokens=4).num_output_tokens == 4:
+            if answer.status_code == 200 and client.generate("Hello", max_tokens=4, ignore_eos=True).num_output_tokens == 4:
                 assert answer.json()["usage"]["completion_tokens"] == 4
                 return time.monotonic() - since
         except (requests.RequestException, LLMError):
@@ -226,7 +226,7 @@ def serving_again_on_triton(client: LLMClient, server, since: float, timeout_s: 
     while True:
         assert time.monotonic() - since < timeout_s, server.log()[-3000:]
         try:
-            if client.generate("Hello", max_tokens=4).num_output_tokens == 4:
+            if client.generate("Hello", max_tokens=4, ignore_eos=True).num_output_tokens == 4:
                 return time.monotonic() - since
         except (LLMError, requests.RequestException):
             pass
