@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -99,6 +100,18 @@ void dispatch_float_types(at::ScalarType type, const char* name, Body body) {
     case at::kHalf: body(static_cast<c10::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
   }
+}
+
+// f(std::integral_constant<int, N>{}) for N = n clamped to [1, MAX]: a run-time count (the rows of a register block,
+// the query heads of a KV head) as a compile-time constant, so that loops over it unroll and their accumulators
+// stay in registers.
+template <int MAX, typename F>
+inline void with_constant(int64_t n, F&& f) {
+  static_assert(MAX >= 1, "with_constant: MAX must be at least 1");
+  if constexpr (MAX > 1) {
+    if (n < MAX) return with_constant<MAX - 1>(n, f);
+  }
+  return f(std::integral_constant<int, MAX>{});
 }
 
 }  // namespace llm_cpu

@@ -110,7 +110,7 @@ int64_t greedy_head(torch::Tensor out, torch::Tensor x, torch::Tensor packed, to
         const int64_t rows = std::min<int64_t>(6, M - m0), pass = m0 / 6;
         const char* pf = next.share(pass);
         const int64_t pf_lines = next.share_lines(pass);
-        with_rows(rows, [&](auto mb) {
+        with_constant<6>(rows, [&](auto mb) {
           constexpr int MB = decltype(mb)::value;
           if (nbs == 4) dp_block<MB, 4>(xb.data() + m0 * K, K, w, K * 16, c, pf, pf_lines);
           else for (int64_t j = 0; j < nbs; ++j) dp_block<MB, 1>(xb.data() + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);

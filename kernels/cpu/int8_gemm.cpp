@@ -248,7 +248,7 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
         staged[j * pairs + p] = _mm512_cvtne2ps_pbh(hi, lo);
       }
     for (int64_t m0 = 0; m0 < M; m0 += 6) {
-      with_rows(std::min<int64_t>(6, M - m0), [&](auto mb) {
+      with_constant<6>(std::min<int64_t>(6, M - m0), [&](auto mb) {
         constexpr int MB = decltype(mb)::value;
         const bf16* xr = xs + m0 * K + 2 * p0;
         float* c = sums + m0 * 64;
@@ -420,7 +420,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
               }
             } else {
               for (int64_t r0 = 0; r0 < rows; r0 += 6)
-                with_rows(std::min<int64_t>(6, rows - r0), [&](auto mb) {
+                with_constant<6>(std::min<int64_t>(6, rows - r0), [&](auto mb) {
                   constexpr int MB = decltype(mb)::value;
                   const bf16* xr = xs + r0 * K;
                   float* cr = c + r0 * 64;
@@ -441,7 +441,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
           int8_rows_i16_avx2(xq.data() + m0 * K, x_scales.data() + m0, rows, K, w, stride, nbs, c, pf, pf_lines);
 #else
           const float* xs = x.data_ptr<float>() + m0 * K;
-          with_rows(rows, [&](auto mb) {
+          with_constant<6>(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             for (int64_t j = 0; j < nbs; j += 2) {
               if (j + 1 < nbs) int8_block_fp32<MB, 2>(xs, K, w + j * stride, stride, c + 16 * j,

@@ -382,17 +382,6 @@ inline __m256 sum8x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// f(std::integral_constant<int, NH>{}) for NH = heads (1 to 4): the query heads of a KV head taken together.
-template <typename F>
-inline void with_heads(int64_t heads, F&& f) {
-  switch (heads) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    default: return f(std::integral_constant<int, 4>{});
-  }
-}
-
 // acc[h] = acc[h] * alpha[h] + sum_i p[h][i] * v_i over the tile's n value rows, for NH (<= 4) query heads of one
 // KV head, 8 x V dimensions at a time, each row's part loaded once for all NH heads. V makes 8 to 12 accumulators
 // (NH x V independent multiply-add chains): with fewer, each chain waits on its last multiply-add (4 cycles) and
@@ -496,7 +485,7 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
   if constexpr (std::is_same_v<T, bf16>) {  // each key widened once for up to 4 query heads
     for (int64_t g = 0; g < group;) {
       const int64_t heads = std::min<int64_t>(4, group - g);
-      with_heads(heads, [&](auto nh) {
+      with_constant<4>(heads, [&](auto nh) {
         score_keys_bf16<D, decltype(nh)::value>(qv + g * D, key_rows, kv_offset, halves, scores + g,
                                                 g == 0 ? ahead : nullptr);
       });
@@ -543,7 +532,7 @@ inline void attend_tile_avx2(int64_t group, const float* qv, const T* const* key
   }
   for (int64_t g = 0; g < group;) {
     const int64_t heads = std::min<int64_t>(4, group - g);
-    with_heads(heads, [&](auto nh) {
+    with_constant<4>(heads, [&](auto nh) {
       accumulate_values_avx2<T, D, decltype(nh)::value>(value_rows, kv_offset, n, scores + g, alpha + g, acc + g * D,
                                                        g == 0 ? ahead : nullptr);
     });

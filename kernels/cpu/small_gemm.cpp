@@ -344,21 +344,6 @@ inline void fma_tile_avx2(const float* x, int64_t ldx, int64_t kc, const W* w, f
 }
 #endif
 
-#if LLM_HAVE_AVX512 || LLM_HAVE_AVX2_FMA
-// f(std::integral_constant<int, MB>{}) for MB = rows (1 to 6): the row count of a register block as a constant.
-template <typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-#endif
-
 }  // namespace
 }  // namespace llm_cpu
 
@@ -422,7 +407,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
         const int64_t pf_lines = next.share_lines(pass);
         if constexpr (BF16) {
 #if LLM_HAVE_AVX512_BF16
-          with_rows(rows, [&](auto mb) {
+          with_constant<6>(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             if (nbs == 4) dp_block<MB, 4>(xs + m0 * K, K, w, K * 16, c, pf, pf_lines);
             else for (int64_t j = 0; j < nbs; ++j) dp_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
@@ -442,7 +427,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 #endif
 #if LLM_HAVE_AVX2_FMA || LLM_HAVE_AVX512
 #if LLM_HAVE_AVX512
-          with_rows(rows, [&](auto mb) {
+          with_constant<6>(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, w, K * 16, c, pf, pf_lines);
             else for (int64_t j = 0; j < nbs; ++j) fma_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
@@ -524,7 +509,7 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
         for (int64_t p = 0, m0 = r0; p < passes; ++p) {
           const int64_t rows = (r1 - m0) / (passes - p);  // the remaining rows over the remaining passes
           const int64_t first = p * pf_lines / passes, share = (p + 1) * pf_lines / passes - first;
-          with_rows(rows, [&](auto mb) {
+          with_constant<6>(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             const float* x = xs + m0 * K + k0;
             float* cm = c + (m0 - r0) * 16;
