@@ -192,8 +192,10 @@ def create_app(config: FrontendConfig) -> FastAPI:
         prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
                                          config.trust_request_chat_template)
         request_id = _request_id(body, request)
+        # prompts: chat never echoes them (a prompt given as token ids, see render_chat, is not decoded for it)
         view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
-                     prompts=[prompt], n=body.n or 1, top_n=logprobs, tools=tools if tools.active else None,
+                     prompts=[prompt if isinstance(prompt, str) else ""], n=body.n or 1, top_n=logprobs,
+                     tools=tools if tools.active else None,
                      prompt_logprobs=body.prompt_logprobs, continuous_usage=body.continuous_usage,
                      end_token_ids=frozenset(tokenizer.all_special_ids) if body.skip_special_tokens is not False
                      else frozenset(),

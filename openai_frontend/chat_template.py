@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import functools
+import re
+import uuid
+
+from tokenizers import Encoding, Tokenizer
+
 from openai_frontend.errors import OpenAIError
 from openai_frontend.protocol import ChatCompletionRequest
 from openai_frontend.tool_calls import ToolChoice, messages_for_plain_template
 
 
 def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None,
-                 tools: ToolChoice | None = None, trust_request_template: bool = False) -> str:
-    """The prompt text: the chat template (the request's ``chat_template``, the server's, or the tokenizer's)
+                 tools: ToolChoice | None = None, trust_request_template: bool = False,
+                 add_special_tokens: bool = True) -> str | list[int]:
+    """The prompt: the chat template (the request's ``chat_template``, the server's, or the tokenizer's)
     over the messages, with the generation prompt unless ``add_generation_prompt`` is false, the last message
     left open with ``continue_final_message``. A template that renders ``tools`` gets them; for one that does
     not, they (and earlier tool calls and results) are presented in the Hermes format
     (``openai_frontend.tool_calls``).
+
+    The request's text is text: where a message, a tool or a template argument holds the text of a special token
+    (``<|im_end|>``), that text becomes the ordinary tokens it spells, not the control token, so that a user
+    cannot end their turn and open a system one (OpenAI's API treats such text the same way; vLLM's does not by
+    default). Such a prompt is returned as its token ids (with the special tokens ``add_special_tokens`` adds,
+    as the engine's tokenizing of text adds them); every other prompt as its text, tokenized by the engine.
 
     A request's own template is Jinja code that runs in the frontend for as long as it likes (nested loops of
     100,000 each are allowed by Jinja's sandbox), so it is refused unless the operator trusts callers with it
@@ -38,11 +51,80 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
             kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
     elif tools.active or has_tool_turns:
         messages = messages_for_plain_template(messages, tools.tools if tools.active else [])
+    hidden = _SpecialText(tokenizer)
+    messages, kwargs = hidden.hide(messages), hidden.hide(kwargs)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message,
                                              chat_template=chat_template, **kwargs)
     except OpenAIError:
         raise
     except Exception as exc:  # a template that raises (e.g. roles it does not accept) is the request's fault
         raise OpenAIError(400, f"chat template failed: {exc}", "invalid_request", "messages") from None
+    return hidden.token_ids(text, add_special_tokens) if hidden.found else text
+
+
+class _SpecialText:
+    """Special tokens' text in a request's data, swapped for placeholders before the template renders and
+    tokenized as ordinary text after it (:func:`render_chat`)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.pattern = _special_pattern(tokenizer)
+        self.nonce = uuid.uuid4().hex  # placeholders no request text can forge
+        self.found: list[str] = []
+
+    def hide(self, value):
+        """``value`` (strings, lists and dicts of them) with each special token's text replaced by a placeholder."""
+        if self.pattern is None:
+            return value
+        if isinstance(value, str):
+            return self.pattern.sub(self._placeholder, value)
+        if isinstance(value, list):
+            return [self.hide(item) for item in value]
+        if isinstance(value, dict):
+            return {self.hide(key): self.hide(item) for key, item in value.items()}
+        return value
+
+    def _placeholder(self, match: re.Match) -> str:
+        self.found.append(match.group(0))
+        return f"\ue000{self.nonce}:{len(self.found) - 1}\ue001"
+
+    def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The rendered ``text``'s token ids: the template's own markup tokenized as the engine tokenizes text
+        (special tokens parsed), each placeholder as its special token's text spelled in ordinary tokens.
+
+        Raises:
+            OpenAIError: 400, the tokenizer has no Rust backend to do this with, or the template changed a
+                placeholder (it transformed the message text) so that the text cannot be told from the markup.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise OpenAIError(400, f"the request's text holds the special token {self.found[0]!r}, which this "
+                                   "model's tokenizer cannot take as plain text", "invalid_value", "messages")
+        pieces = re.split(f"\ue000{self.nonce}:(\\d+)\ue001", text)
+        if any(self.nonce in piece for piece in pieces[::2]):
+            raise OpenAIError(400, f"the request's text holds the special token {self.found[0]!r}, and the chat "
+                                   "template changes the text around it", "invalid_value", "messages")
+        plain = _plain_text_tokenizer(backend)
+        encodings = [plain.encode(self.found[int(piece)], add_special_tokens=False) if odd
+                     else backend.encode(piece, add_special_tokens=False)
+                     for odd, piece in ((i % 2 == 1, p) for i, p in enumerate(pieces)) if piece]
+        return backend.post_process(Encoding.merge(encodings), add_special_tokens=add_special_tokens).ids
+
+
+@functools.lru_cache(maxsize=16)
+def _special_pattern(tokenizer) -> re.Pattern | None:
+    """A regex of the tokenizer's special tokens' text (longest first), or None when it has none."""
+    texts = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                    if t.special and t.content}, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_text_tokenizer(backend: Tokenizer) -> Tokenizer:
+    """A copy of ``backend`` that spells special tokens' text in ordinary tokens (``encode_special_tokens``); a
+    copy, because the flag is the tokenizer's and other threads encode with it meanwhile."""
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    return plain

@@ -137,6 +137,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # ``annotations`` (a reply's URL citations) comes back in a reply the openai SDK serializes (``model_dump()``).
 CHAT_MESSAGE_FIELDS = {"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations",
                        "reasoning", "reasoning_content"}
+CHAT_MESSAGE_TEXT_FIELDS = ("name", "tool_call_id", "refusal", "reasoning", "reasoning_content")  # string or null
 
 
 def _check_tool_calls(tool_calls: Any, i: int, role: str) -> None:
@@ -225,6 +226,11 @@ class ChatCompletionRequest(_Sampling):
             if message.content is None and message.role != "assistant":
                 raise OpenAIError(400, f"messages[{i}].content is required for role {message.role!r}",
                                   "invalid_value", f"messages.{i}.content")
+            for field in CHAT_MESSAGE_TEXT_FIELDS:  # rendered into the prompt by templates that use them
+                value = (message.model_extra or {}).get(field)
+                if value is not None and not isinstance(value, str):
+                    raise OpenAIError(400, f"messages[{i}].{field} must be a string, got {type(value).__name__}",
+                                      "invalid_value", f"messages.{i}.{field}")
             _check_tool_calls((message.model_extra or {}).get("tool_calls"), i, message.role)
         if self.continue_final_message and self.add_generation_prompt:
             raise OpenAIError(400, "continue_final_message needs add_generation_prompt false", "invalid_value",

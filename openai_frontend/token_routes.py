@@ -75,7 +75,7 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
             chat.check()
             tools = ToolChoice.from_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
             prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools,
-                                             config.trust_request_chat_template)
+                                             config.trust_request_chat_template, body.add_special_tokens)
         else:
             prompt = body.prompt
         [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=body.add_special_tokens)
