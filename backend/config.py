@@ -6,6 +6,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from backend.structured_output.params import MAX_SCHEMA_CHARS
+
 
 @dataclass
 class EngineConfig:
@@ -185,6 +187,9 @@ class EngineConfig:
                      "max_num_waiting_tokens", "stream_interval", "max_n", "structured_outputs_max_schema_bytes",
                      "structured_outputs_max_schema_depth", "structured_outputs_max_schema_keywords"):
             _require_positive_int(name, getattr(self, name))
+        if self.structured_outputs_max_schema_bytes > MAX_SCHEMA_CHARS:
+            raise ValueError(f"structured_outputs_max_schema_bytes must be at most {MAX_SCHEMA_CHARS}, got "
+                             f"{self.structured_outputs_max_schema_bytes}")
         timeout = self.structured_outputs_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}")

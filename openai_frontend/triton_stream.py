@@ -28,6 +28,7 @@ from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.errors import OpenAIError, error_from_triton
+from serve.request_parsing import MAX_SAMPLING_PARAMETERS_BYTES
 
 CLOSE_TIMEOUT_S = 10.0  # a finished stream that has not ended this long after our half-close is cancelled
 # tritonclient's own channel options, and a reconnect backoff of at most 2 s: gRPC's default grows to 120 s, so
@@ -140,7 +141,7 @@ class TritonLLM:
         done = asyncio.Event()
         request = {"model_name": model, "model_version": version, "request_id": request_id or uuid.uuid4().hex,
                    "inputs": [_prompt_input(prompt), _bool_input("stream", True),
-                              _bytes_input("sampling_parameters", json.dumps(sampling))]}
+                              _bytes_input("sampling_parameters", _sampling_json(sampling))]}
 
         async def requests():
             yield request
@@ -204,6 +205,23 @@ def from_result(result) -> Delta:
                  num_cached_tokens=int(first("num_cached_tokens")),
                  logprobs=None if logprobs is None else json.loads(logprobs),
                  prompt_logprobs=None if prompt_logprobs is None else json.loads(prompt_logprobs))
+
+
+def _sampling_json(sampling: dict) -> str:
+    """``sampling`` as the model's ``sampling_parameters`` JSON.
+
+    Raises:
+        OpenAIError: 400 naming the largest field, when the JSON is over what the model reads
+            (``serve.request_parsing.MAX_SAMPLING_PARAMETERS_BYTES``).
+    """
+    text = json.dumps(sampling)  # ASCII: a lone surrogate in a string stays an escape, never an encoding error
+    if len(text) <= MAX_SAMPLING_PARAMETERS_BYTES:
+        return text
+    largest = max(sampling, key=lambda key: len(json.dumps(sampling[key])))
+    name = {"structured_outputs": "response_format or tools (as a structured output)"}.get(largest, largest)
+    raise OpenAIError(400, f"the request's sampling parameters are {len(text)} bytes of JSON, over the "
+                           f"{MAX_SAMPLING_PARAMETERS_BYTES} the model reads; the largest is {name}, "
+                           f"{len(json.dumps(sampling[largest]))} bytes", "invalid_value", largest)
 
 
 def _bytes_input(name: str, value: str) -> grpcclient.InferInput:

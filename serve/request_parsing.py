@@ -52,7 +52,9 @@ TRTLLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "re
 # before it is built, so named here for the error that lists the known keys.
 REQUEST_LEVEL_NAMES = (*FLAG_INPUTS, *SCHEDULING_INPUTS, *STRING_SETTINGS, *STRUCTURED_OUTPUTS_NAMES, *TRTLLM_INPUTS,
                        *TRTLLM_LIST_INPUTS, "best_of", "top_logprobs")
-MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
+# Above what the fields' own limits allow together (a JSON schema of up to 1 MiB, MAX_SCHEMA_CHARS, which JSON's
+# \u escapes can triple), so that those limits, which name their field, decide; decoding 4 MiB takes ~30 ms.
+MAX_SAMPLING_PARAMETERS_BYTES = 4 * 1024 * 1024
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1

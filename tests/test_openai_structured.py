@@ -211,3 +211,20 @@ def test_deep_or_huge_schema_is_a_quick_400(client):
                                                             "json_schema": {"name": "x", "schema": schema}})
         assert message in bad.value.body["message"]
         assert time.monotonic() - start < 5.0
+
+
+def test_a_schema_within_the_documented_limit_is_enforced_and_the_sampling_json_cap_names_its_field(client):
+    """structured_outputs_max_schema_bytes (65536 by default) is the limit a schema meets, not the JSON around it."""
+    from openai_frontend.errors import OpenAIError
+    from openai_frontend.triton_stream import _sampling_json
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 60} for i in range(600)},
+              "required": ["p0"], "additionalProperties": False}
+    assert 60_000 < len(json.dumps(schema)) < 65_536
+    answer = client.chat.completions.create(model="llm", messages=ASK_WEATHER, max_completion_tokens=4,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "x", "schema": schema}})
+    assert re.match(r'\{"p\d', answer.choices[0].message.content), answer.choices[0].message.content  # a property
+    with pytest.raises(OpenAIError, match="the largest is logit_bias, 5") as refused:
+        _sampling_json({"max_tokens": 5, "logit_bias": {str(i): 1.5 for i in range(400_000)}})
+    assert refused.value.status == 400 and refused.value.param == "logit_bias"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from serve.request_parsing import MAX_REQUEST_ID_BYTES, check_request_id, parse_request
+from serve.request_parsing import MAX_REQUEST_ID_BYTES, MAX_SAMPLING_PARAMETERS_BYTES, check_request_id, parse_request
 
 
 def inputs(prompt: str = "hi", **tensors) -> dict[str, np.ndarray]:
@@ -103,7 +103,7 @@ def test_max_tokens_beyond_int32_quotes_the_value_sent():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ("[" * 100_000 + "]" * 100_000, "sampling_parameters is 200000 bytes; at most 65536"),
+    ("[" * 2_100_000 + "]" * 2_100_000, f"sampling_parameters is 4200000 bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}"),
     ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 32"),
     ('{"stop": ["[[[[[[[[", "{{{{{{{"]}', None),  # brackets inside strings do not count
 ])
