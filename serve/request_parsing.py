@@ -8,6 +8,7 @@ field. TensorRT-LLM backend inputs are mapped onto the same engine parameters (`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ REQUEST_LEVEL_NAMES = (*FLAG_INPUTS, *SCHEDULING_INPUTS, *STRING_SETTINGS, *STRU
 # Above what the fields' own limits allow together (a JSON schema of up to 1 MiB, MAX_SCHEMA_CHARS, which JSON's
 # \u escapes can triple), so that those limits, which name their field, decide; decoding 4 MiB takes ~30 ms.
 MAX_SAMPLING_PARAMETERS_BYTES = 4 * 1024 * 1024
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1
@@ -129,16 +131,24 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         if (key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES
                 or key in STRING_SETTINGS):
             values[key] = value
+    overridden: dict[str, object] = {}  # values that a later source replaces (see _check_overridden)
     if "sampling_parameters" in inputs:
-        values.update(_vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"]))))
+        fields = _vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"])))
+        overridden.update((name, values[name]) for name in fields if name in values)
+        values.update(fields)
     returns = frozenset(name for name in RETURN_INPUTS
                         if name in inputs and inputs[name].size and _flag(_first(inputs[name]).item(), name))
     for name in (*scalars, *FLAG_INPUTS):
         if name in inputs and inputs[name].size:
+            if name in values:
+                overridden[name] = values[name]
             values[name] = _first(inputs[name]).item()
     for name in ("stop", "stop_words", "bad_words"):
         if name in inputs:
+            if name in values:
+                overridden[name] = values[name]
             values[name] = [_text(name, s) for s in inputs[name].reshape(-1)]
+    _check_overridden(overridden, scalars)
 
     stream = _flag(values.pop("stream", False), "stream")
     exclude = _flag(values.pop("exclude_input_in_output", False), "exclude_input_in_output")
@@ -185,6 +195,29 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         raise ValueError(message) from None
     return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt, fairness_key,
                          logprobs_asked)
+
+
+def _check_overridden(overridden: dict[str, object], scalars: dict[str, type]) -> None:
+    """Each value that a later source replaced (``sampling_parameters`` a request parameter, a named input either)
+    must still be valid on its own: a bad value is refused wherever it was sent, never dropped unread.
+
+    Raises:
+        ValueError: the value's error, and which input replaced it.
+    """
+    for name, value in overridden.items():
+        if value is None:  # not set
+            continue
+        try:
+            if name in FLAG_INPUTS:
+                _flag(value, name)
+                continue
+            if name in scalars:
+                value = _coerce(name, value, scalars[name])
+            if name in SAMPLING_FIELDS:
+                SamplingParams.from_dict({name: [value] if name == "stop" and isinstance(value, str) else value})
+        except ValueError as exc:
+            raise ValueError(f"{exc} (where a later source, sampling_parameters or the {name} input, replaces "
+                             f"it)") from None
 
 
 def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:

@@ -200,3 +200,23 @@ def test_top_k_and_runtime_top_k_agree_on_off_whether_0_or_minus_1():
         assert parsed.params.top_k == (5 if top_k == 5 else -1)
     with pytest.raises(ValueError, match="disagree"):
         parse_request(inputs(sampling_parameters=json.dumps({"top_k": 3, "runtime_top_k": 0})), {})
+
+
+@pytest.mark.parametrize("json_value, message", [
+    ({"max_tokens": "x"}, "max_tokens must be an integer, got string 'x'"),
+    ({"max_tokens": -5}, r"max_tokens must be in \[1, inf\), got -5"),
+    ({"temperature": "hot"}, "temperature must be a number, got string 'hot'"),
+    ({"stop": 5}, "stop must be a non-empty string"),
+    ({"max_tokens": 9, "temperature": 1.5, "stop": ["y"]}, None),  # valid, and replaced by the named inputs
+])
+def test_a_value_a_named_input_replaces_is_still_validated(json_value, message):
+    tensors = dict(sampling_parameters=json.dumps(json_value), max_tokens=3, temperature=0.5, stop=["x"])
+    if message is None:
+        params = parse_request(inputs(**tensors), {}).params
+        assert (params.max_tokens, params.temperature, params.stop) == (3, 0.5, ["x"])
+        return
+    with pytest.raises(ValueError, match=f"{message}.*the {next(iter(json_value))} input, replaces it"):
+        parse_request(inputs(**tensors), {})
+    with pytest.raises(ValueError, match=f"{message}.*replaces it"):  # a request parameter that the JSON replaces
+        parse_request(inputs(sampling_parameters=json.dumps({"max_tokens": 3, "temperature": 0.5, "stop": ["x"]})),
+                      json_value)
