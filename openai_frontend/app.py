@@ -123,7 +123,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
                        f"{content_type or 'no Content-Type'})")
         else:
             # The message alone: the error's input, context and location in the source stay out.
-            message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+            msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' own words
+            message = f"{param}: {msg}" if param else msg
         return JSONResponse(OpenAIError(400, message, "invalid_request", param).body(), status_code=400)
 
     @app.get("/health")

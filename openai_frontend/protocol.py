@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from backend.sampling_params import MAX_LOGPROBS
 from openai_frontend.errors import OpenAIError
@@ -106,6 +106,16 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value, handler):
+        """One error that names the four accepted shapes, instead of pydantic's first of four."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of "
+                             "token-id lists, one shape for the whole list") from None
 
     def check(self) -> None:
         if self.suffix:

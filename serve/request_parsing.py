@@ -189,7 +189,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             if message.startswith(f"{canonical} "):
                 message += f" (sent as {alias})"
         for name in INT32_INPUTS:
-            if message.startswith(f"{name} ") and name in inputs and _first(inputs[name]).item() < 0:
+            if message.startswith(f"{name} ") and name in inputs and _first(inputs[name]).item() <= 0:
                 message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
                             f"Triton's conversion before the model sees it")
         raise ValueError(message) from None

@@ -188,6 +188,10 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
         ([{"type": "function", "function": {"name": "f"}, "extra": 1}], "tools[0] has unknown field(s) extra"),
         ([{"type": "function", "function": {"name": "f", "bogus": 1}}],
          "tools[0].function has unknown field(s) bogus")]],
+    ({"messages": [{"role": "user", "content": "hi", "name": {"first": "x"}}]}, "messages.0.name",
+     "messages[0].name must be a string, got dict"),
+    ({"messages": [{"role": "tool", "content": "3", "tool_call_id": [1, 2]}]}, "messages.0.tool_call_id",
+     "messages[0].tool_call_id must be a string, got list"),
     *[({"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}, "response_format", message)
       for fmt, message in [
           ({"type": "json_object", "schema": "{}"}, "json_object's schema must be a JSON schema object"),
@@ -203,6 +207,17 @@ def test_chat_requests_that_would_be_silently_misread_are_400_naming_the_field(f
                              timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("prompt", [[1.5], ["Hi", [1]], {"text": "Hi"}])
+def test_a_completion_prompt_of_no_accepted_shape_is_400_listing_the_shapes(frontend, prompt):
+    response = requests.post(f"{frontend}/v1/completions", json={"model": "llm", "prompt": prompt}, headers=AUTH,
+                             timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and error["message"] == (
+        "prompt: must be a string, a list of strings, a list of token ids (integers) or a list of token-id lists, "
+        "one shape for the whole list")
 
 
 @pytest.mark.parametrize("body, param, message", [
