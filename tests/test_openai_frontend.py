@@ -505,9 +505,10 @@ def test_vllm_surface_model_by_id_request_ids_usage_bias_and_templates(frontend,
     out = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=2, extra_body={"request_id": "mine"})
     assert out.id == "cmpl-mine"
     chunks = list(client.completions.create(model=FP32, prompt=PROMPT, max_tokens=4, stream=True, stream_options={
-        "include_usage": True, "continuous_usage_stats": True}))
+        "include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
     assert all(c.usage is not None for c in chunks)
-    assert [c.usage.completion_tokens for c in chunks if c.choices] == [1, 2, 3, 4]
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]  # tokens queued together share a chunk
+    assert counts == sorted(set(counts)) and counts[-1] == 4 and counts[0] >= 1, counts
     forced = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"42": 100})
     assert forced.choices[0].text == tokenizer.decode([42, 42, 42])
     with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):  # Jinja code from a caller
