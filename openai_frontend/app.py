@@ -118,6 +118,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         elif first.get("type") == "json_invalid":  # loc ("body", <character offset>)
             reason = (first.get("ctx") or {}).get("error")
             message, param = f"the body is not valid JSON (at character {param}{f': {reason}' if reason else ''})", None
+        elif param is None and first.get("type") == "missing":  # no body at all
+            message = "the request has no body: send a JSON object with Content-Type: application/json"
         elif param is None and content_type != "application/json":
             message = (f"the body must be a JSON object sent with Content-Type: application/json (got "
                        f"{content_type or 'no Content-Type'})")

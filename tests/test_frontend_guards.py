@@ -405,3 +405,7 @@ def test_a_body_that_is_not_json_is_a_400_that_says_why(frontend):
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "invalid_request"
         assert "not valid UTF-8, or it nests too deeply" in response.json()["error"]["message"]
+    empty = requests.post(f"{frontend}/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
+                          timeout=10)
+    assert empty.status_code == 400 and empty.json()["error"]["message"] == (
+        "the request has no body: send a JSON object with Content-Type: application/json")
