@@ -6,7 +6,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from backend.structured_output.params import MAX_SCHEMA_CHARS
+# The longest schema a request may be allowed: with JSON's escapes it still fits the model's sampling_parameters
+# input (serve.request_parsing.MAX_SAMPLING_PARAMETERS_BYTES).
+MAX_SCHEMA_BYTES_SETTING = 128 * 1024
 
 
 @dataclass
@@ -74,7 +76,7 @@ class EngineConfig:
             backend and the compact decoder), or ``emulate``: the same static buffers and padding without capture, on any
             device (for tests on machines without a GPU). Off by default until measured on a GPU.
         structured_outputs_max_schema_bytes: the longest JSON schema (``structured_outputs.json``), UTF-8 bytes;
-            longer ones are refused (400).
+            longer ones are refused (400). At most ``MAX_SCHEMA_BYTES_SETTING`` (128 KiB).
         structured_outputs_max_schema_depth: the deepest nesting of JSON objects/arrays in a schema.
         structured_outputs_max_schema_keywords: the most keywords in a schema (all its subschemas together).
         structured_outputs_compile_timeout: CPU seconds a constraint's grammar may use to compile; past them the
@@ -187,8 +189,8 @@ class EngineConfig:
                      "max_num_waiting_tokens", "stream_interval", "max_n", "structured_outputs_max_schema_bytes",
                      "structured_outputs_max_schema_depth", "structured_outputs_max_schema_keywords"):
             _require_positive_int(name, getattr(self, name))
-        if self.structured_outputs_max_schema_bytes > MAX_SCHEMA_CHARS:
-            raise ValueError(f"structured_outputs_max_schema_bytes must be at most {MAX_SCHEMA_CHARS}, got "
+        if self.structured_outputs_max_schema_bytes > MAX_SCHEMA_BYTES_SETTING:
+            raise ValueError(f"structured_outputs_max_schema_bytes must be at most {MAX_SCHEMA_BYTES_SETTING}, got "
                              f"{self.structured_outputs_max_schema_bytes}")
         timeout = self.structured_outputs_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):

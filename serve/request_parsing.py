@@ -53,9 +53,11 @@ TRTLLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "re
 # before it is built, so named here for the error that lists the known keys.
 REQUEST_LEVEL_NAMES = (*FLAG_INPUTS, *SCHEDULING_INPUTS, *STRING_SETTINGS, *STRUCTURED_OUTPUTS_NAMES, *TRTLLM_INPUTS,
                        *TRTLLM_LIST_INPUTS, "best_of", "top_logprobs")
-# Above what the fields' own limits allow together (a JSON schema of up to 1 MiB, MAX_SCHEMA_CHARS, which JSON's
-# \u escapes can triple), so that those limits, which name their field, decide; decoding 4 MiB takes ~30 ms.
-MAX_SAMPLING_PARAMETERS_BYTES = 4 * 1024 * 1024
+# Above what the fields' own limits allow together (a JSON schema of up to 128 KiB, the most
+# structured_outputs_max_schema_bytes may be, which JSON's \u escapes can triple; 1024 logit_bias entries; 32 stop
+# strings), so that those limits, which name their field, decide. Checking and decoding 512 KiB holds the
+# stub's GIL for about 26 ms on a 2-core Zen 3 with both cores busy (the depth scan most of it).
+MAX_SAMPLING_PARAMETERS_BYTES = 512 * 1024
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256

@@ -103,7 +103,7 @@ def test_max_tokens_beyond_int32_quotes_the_value_sent():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ("[" * 2_100_000 + "]" * 2_100_000, f"sampling_parameters is 4200000 bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}"),
+    ("[" * 300_000 + "]" * 300_000, f"sampling_parameters is 600000 bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}"),
     ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters nests 1001 levels deep; at most 32"),
     ('{"stop": ["[[[[[[[[", "{{{{{{{"]}', None),  # brackets inside strings do not count
 ])
