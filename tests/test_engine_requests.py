@@ -550,3 +550,13 @@ def test_a_request_racing_shutdown_is_answered_or_refused_never_lost(make_engine
     assert sinks and refused and all(r == "the engine is shutting down" for r in refused)
     for sink in sinks:
         assert drain(sink)[-1].done
+
+
+def test_a_schema_limit_beyond_what_the_sampling_parameters_input_holds_is_refused():
+    from backend.config import MAX_SCHEMA_BYTES_SETTING, EngineConfig
+    from serve.request_parsing import MAX_SAMPLING_PARAMETERS_BYTES
+
+    assert 3 * MAX_SCHEMA_BYTES_SETTING < MAX_SAMPLING_PARAMETERS_BYTES  # a schema within it fits, even escaped
+    assert EngineConfig(structured_outputs_max_schema_bytes=MAX_SCHEMA_BYTES_SETTING)
+    with pytest.raises(ValueError, match=f"structured_outputs_max_schema_bytes must be at most {MAX_SCHEMA_BYTES_SETTING}"):
+        EngineConfig(structured_outputs_max_schema_bytes=MAX_SCHEMA_BYTES_SETTING + 1)
