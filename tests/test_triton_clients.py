@@ -219,7 +219,7 @@ def test_stop_string_in_the_last_allowed_token_finishes_with_stop(triton_server,
 LIMITS = [
     ({"text_input": "hi", "stop": ["x"] * 10_000}, "stop has 10000 strings; at most 32"),
     ({"text_input": "hi", "stop": ["x" * 100_000]}, "stop has a string of 100000 characters; at most 256"),
-    ({"text_input": "hi", "sampling_parameters": "[" * 100_000 + "]" * 100_000}, "sampling_parameters is 200000 bytes"),
+    ({"text_input": "hi", "sampling_parameters": "[" * 300_000 + "]" * 300_000}, "sampling_parameters is 600000 bytes"),
     ({"text_input": "hi", "sampling_parameters": '{"stop":' + "[" * 5000 + "]" * 5000 + "}"},
      "sampling_parameters nests 5001 levels deep"),
     ({"text_input": "hi", "id": "r" * 2**20}, "request id is 1048576 bytes; at most 256"),
