@@ -59,6 +59,9 @@ REQUEST_LEVEL_NAMES = (*FLAG_INPUTS, *SCHEDULING_INPUTS, *STRING_SETTINGS, *STRU
 # stub's GIL for about 26 ms on a 2-core Zen 3 with both cores busy (the depth scan most of it).
 MAX_SAMPLING_PARAMETERS_BYTES = 512 * 1024
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# Settings whose value is an object or a list: a request parameter (a string, number or boolean in Triton) carries
+# it as JSON text, e.g. "parameters": {"logit_bias": "{\"30\": 100}"}.
+JSON_PARAMETER_FIELDS = ("logit_bias", "allowed_token_ids", "stop_token_ids", "bad_words")
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1
@@ -129,10 +132,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS, **SCHEDULING_INPUTS}
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
-    for key, value in parameters.items():
+    for key, value in parameters.items():  # keys that name no setting are Triton's own (or a client's): left alone
         if (key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES
-                or key in STRING_SETTINGS):
-            values[key] = value
+                or key in STRING_SETTINGS or key in SAMPLING_FIELDS or key in REQUEST_LEVEL_NAMES):
+            values[key] = _json_parameter(key, value) if key in JSON_PARAMETER_FIELDS else value
+    values = _vllm_request_fields(values)
     overridden: dict[str, object] = {}  # values that a later source replaces (see _check_overridden)
     if "sampling_parameters" in inputs:
         fields = _vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"])))
@@ -197,6 +201,23 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         raise ValueError(message) from None
     return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt, fairness_key,
                          logprobs_asked)
+
+
+def _json_parameter(name: str, value: object) -> object:
+    """A request parameter's JSON text (an object or a list) decoded; any other value as it is.
+
+    Raises:
+        ValueError: text that starts like JSON but does not decode, or is over the size or depth bounds.
+    """
+    if not isinstance(value, str) or not value.lstrip().startswith(("{", "[")):
+        return value
+    if len(value) > MAX_SAMPLING_PARAMETERS_BYTES or _json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"the {name} parameter is over {MAX_SAMPLING_PARAMETERS_BYTES} bytes or {MAX_JSON_DEPTH} "
+                         f"levels deep")
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the {name} parameter is not valid JSON: {exc}") from None
 
 
 def _check_overridden(overridden: dict[str, object], scalars: dict[str, type]) -> None:
@@ -268,6 +289,8 @@ def _apply_structured_outputs(values: dict[str, object], inputs: dict[str, np.nd
     """
     given = [name for name in STRUCTURED_OUTPUTS_NAMES if values.get(name) is not None]
     guide_type = _first(inputs["guided_decoding_guide_type"]) if "guided_decoding_guide_type" in inputs else None
+    if guide_type is None and "guided_decoding_guide" in inputs and inputs["guided_decoding_guide"].size:
+        raise ValueError(f"guided_decoding_guide needs guided_decoding_guide_type ({', '.join(TRTLLM_GUIDE_TYPES)})")
     if guide_type is not None:
         guide_type = _text("guided_decoding_guide_type", guide_type)
         if guide_type not in TRTLLM_GUIDE_TYPES:

@@ -220,3 +220,22 @@ def test_a_value_a_named_input_replaces_is_still_validated(json_value, message):
     with pytest.raises(ValueError, match=f"{message}.*replaces it"):  # a request parameter that the JSON replaces
         parse_request(inputs(sampling_parameters=json.dumps({"max_tokens": 3, "temperature": 0.5, "stop": ["x"]})),
                       json_value)
+
+
+def test_request_parameters_carry_every_sampling_setting_and_bad_ones_are_refused():
+    params = parse_request(inputs(), {"logit_bias": '{"30": 100}', "allowed_token_ids": "[30, 31]",
+                                      "include_stop_str_in_output": True, "truncate_prompt_tokens": 1,
+                                      "prompt_logprobs": 1, "logprobs": True, "top_logprobs": 2,
+                                      "triton_enable_empty_final_response": True}).params  # the last: Triton's own
+    assert (params.logit_bias, params.allowed_token_ids, params.include_stop_str_in_output) == ({30: 100.0}, [30, 31], True)
+    assert (params.truncate_prompt_tokens, params.prompt_logprobs, params.logprobs) == (1, 1, 2)
+    for bad, message in [({"logit_bias": "garbage"}, "logit_bias must be an object"),
+                         ({"logit_bias": "{30: 1}"}, "the logit_bias parameter is not valid JSON"),
+                         ({"best_of": 5}, "best_of must be 1 or n")]:
+        with pytest.raises(ValueError, match=message):
+            parse_request(inputs(), bad)
+
+
+def test_a_trtllm_guide_without_its_type_is_refused():
+    with pytest.raises(ValueError, match="guided_decoding_guide needs guided_decoding_guide_type"):
+        parse_request(inputs(guided_decoding_guide="[0-9]+"), {})
