@@ -204,20 +204,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
 
 
 def _json_parameter(name: str, value: object) -> object:
-    """A request parameter's JSON text (an object or a list) decoded; any other value as it is.
-
-    Raises:
-        ValueError: text that starts like JSON but does not decode, or is over the size or depth bounds.
-    """
+    """A request parameter's JSON text (an object or a list) decoded (:func:`_bounded_json`); any other value as
+    it is."""
     if not isinstance(value, str) or not value.lstrip().startswith(("{", "[")):
         return value
-    if len(value) > MAX_SAMPLING_PARAMETERS_BYTES or _json_depth(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"the {name} parameter is over {MAX_SAMPLING_PARAMETERS_BYTES} bytes or {MAX_JSON_DEPTH} "
-                         f"levels deep")
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the {name} parameter is not valid JSON: {exc}") from None
+    return _bounded_json(f"the {name} parameter", value)
 
 
 def _check_overridden(overridden: dict[str, object], scalars: dict[str, type]) -> None:
@@ -389,26 +380,32 @@ def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
 
 
 def _sampling_parameters(raw: object) -> dict[str, object]:
-    """The ``sampling_parameters`` input: a JSON object, size and nesting checked before decoding."""
-    if isinstance(raw, bytes):
-        size = len(raw)
-    else:
-        raw = str(raw)
-        size = len(raw.encode("utf-8", "surrogatepass"))
-    if size > MAX_SAMPLING_PARAMETERS_BYTES:
-        raise ValueError(f"sampling_parameters is {size} bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}")
+    """The ``sampling_parameters`` input: a JSON object (:func:`_bounded_json`)."""
     if not raw:
         return {}
-    depth = _json_depth(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
-    if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"sampling_parameters nests {depth} levels deep; at most {MAX_JSON_DEPTH}")
-    try:
-        sampling = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+    sampling = _bounded_json("sampling_parameters", raw if isinstance(raw, bytes) else str(raw))
     if not isinstance(sampling, dict):
         raise ValueError("sampling_parameters must be a JSON object")
     return sampling
+
+
+def _bounded_json(what: str, raw: str | bytes) -> object:
+    """``raw`` decoded as JSON, its size (``MAX_SAMPLING_PARAMETERS_BYTES``) and nesting (``MAX_JSON_DEPTH``)
+    checked before decoding.
+
+    Raises:
+        ValueError: naming ``what``: over the size or depth, or not valid JSON.
+    """
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise ValueError(f"{what} is {size} bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}")
+    depth = _json_depth(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} nests {depth} levels deep; at most {MAX_JSON_DEPTH}")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
