@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from backend.sampling_params import SamplingParams
+from backend.sampling_params import SamplingParams, generator_seed
 
 
 class RequestStatus(enum.Enum):
@@ -73,7 +73,7 @@ class Request:
         self.error: str | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
+            self.generator = torch.Generator().manual_seed(generator_seed(params.seed + index))
         # Timestamps (time.monotonic seconds) for TTFT / TPOT / end-to-end latency.
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

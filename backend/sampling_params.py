@@ -39,8 +39,12 @@ class SamplingParams:
             output (Keskar et al. 2019, CTRL); 1 is off.
         presence_penalty: subtracted once from tokens already in the output (OpenAI semantics).
         frequency_penalty: subtracted per occurrence in the output (OpenAI semantics).
-        seed: a per-request random generator seed (any int64): the same seed gives the same random draws, so
-            the same tokens wherever the model's probabilities are the same. In fp32 they are the same whatever
+        seed: a per-request random generator seed (any int64; -1 is no seed, as in vLLM): the same seed gives
+            the same random draws, so the same tokens wherever the model's probabilities are the same. torch's
+            CPU generator takes a 32-bit seed: a seed under 2**32 is used as it is, and a larger or negative one
+            has its upper 32 bits mixed into the lower (``generator_seed``), so that seeds which differ only
+            there (s and s + 2**32, or -1 and 2**32 - 1) draw differently. The n completions of a request use
+            seed, seed + 1, ..., seed + n - 1 (as vLLM does), so neighbouring seeds share completions. In fp32 they are the same whatever
             shares the batch (every GEMM sums in one order for any number of rows); a request preempted and
             recomputed, or one whose prompt is served from cached blocks that another request's decode steps wrote
             (a chat's earlier answer), has K/V from a prefill where they came from decode steps, or the reverse;
@@ -120,6 +124,8 @@ class SamplingParams:
         _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _int("seed", self.seed, low=-2**63, high=2**63 - 1)  # any int64, as vLLM and OpenAI take
+            if self.seed == -1:  # vLLM's "no seed"
+                self.seed = None
         _strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
         _strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
         if not isinstance(self.stop_token_ids, list):
@@ -248,3 +254,18 @@ def _range(name: str, value: float, low: float | None, high: float | None, low_o
         lo = "-inf" if low is None else _bound(low)
         hi = "inf" if high is None else _bound(high)
         raise ValueError(f"{name} must be in {left}{lo}, {hi}{']' if high is not None else ')'}, got {value!r}")
+
+
+def generator_seed(seed: int) -> int:
+    """The 32-bit seed of torch's CPU generator (mt19937, which uses only the low 32 bits of the seed it is
+    given) for an int64 ``seed``: the low 32 bits, XOR the upper 32 bits through MurmurHash3's 32-bit finalizer
+    (Appleby), which maps 0 to 0, so seeds in ``[0, 2**32)`` are used unchanged and seeds that differ only in
+    their upper half draw differently. Returns an int in ``[0, 2**32)``."""
+    value = seed % 2**64
+    high = value >> 32
+    high ^= high >> 16
+    high = (high * 0x85EBCA6B) & 0xFFFFFFFF
+    high ^= high >> 13
+    high = (high * 0xC2B2AE35) & 0xFFFFFFFF
+    high ^= high >> 16
+    return (value & 0xFFFFFFFF) ^ high

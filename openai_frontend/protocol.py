@@ -248,7 +248,8 @@ class ChatCompletionRequest(_Sampling):
         self.check_streaming()
 
     def messages_for_template(self) -> list[dict]:
-        """The messages as the chat template wants them: a list of text parts joined into one string."""
+        """The messages as the chat template wants them: a list of text parts joined into one string, a newline
+        between parts (as vLLM joins them for templates that take a string)."""
         out = []
         for message in self.messages:
             item = message.model_dump(exclude_none=True)
@@ -260,6 +261,6 @@ class ChatCompletionRequest(_Sampling):
                         raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported",
                                           "unsupported_parameter", "messages")
                     parts.append(part["text"])
-                item["content"] = "".join(parts)
+                item["content"] = "\n".join(parts)
             out.append(item)
         return out

@@ -210,7 +210,8 @@ class ResponsesRequest(BaseModel):
 
 
 def _text(content, where: str) -> str:
-    """A message's text: a string, or ``input_text`` / ``output_text`` parts joined."""
+    """A message's text: a string, or ``input_text`` / ``output_text`` parts joined with newlines (as chat's
+    text parts are)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -224,7 +225,7 @@ def _text(content, where: str) -> str:
         if set(part) - TEXT_PART_KEYS[kind] or not isinstance(part.get("text"), str):
             raise _bad(f"{where}[{j}] must be {{\"type\": {kind!r}, \"text\": ...}}", f"{where}[{j}]")
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)
 
 
 class ResponseBuilder:

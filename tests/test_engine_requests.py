@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backend import EngineConfig, LLMEngine, SamplingParams
+from backend.sampling_params import generator_seed
 from conftest import drain, run_to_completion
 
 
@@ -97,6 +98,19 @@ def test_seeded_sampling_is_reproducible_alone_and_with_batch_mates(engine):
     runs = [tokens(run_to_completion(engine, {"n": engine.add_request([4, 5, 6], negative, request_id="n")})["n"])
             for _ in range(2)]
     assert runs[0] == runs[1] != alone
+    # torch's CPU generator keeps 32 bits of a seed: the upper half is mixed in, seeds under 2**32 stay as given.
+    assert [generator_seed(s) for s in (0, 1234, 2**32 - 1)] == [0, 1234, 2**32 - 1]
+    assert len({generator_seed(s) for s in (1234, 1234 + 2**32, 1234 - 2**32, -1, 2**32 - 1, 2**63 - 1)}) == 6
+    wrapped = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234 + 2**32,
+                             ignore_eos=True)
+    assert tokens(run_to_completion(engine, {"w": engine.add_request([4, 5, 6], wrapped, request_id="w")})["w"]) \
+        != alone
+    # -1 is vLLM's "no seed": each run draws afresh.
+    unseeded = SamplingParams(max_tokens=16, temperature=1.0, seed=-1, ignore_eos=True)
+    assert unseeded.seed is None
+    runs = [tokens(run_to_completion(engine, {f"u{i}": engine.add_request([4, 5, 6], unseeded, request_id=f"u{i}")})[
+        f"u{i}"]) for i in range(2)]
+    assert runs[0] != runs[1]
 
 
 def test_abort_frees_blocks_and_ends_with_one_final(make_engine, tiny_model_dir):

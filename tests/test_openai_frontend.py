@@ -427,16 +427,17 @@ def test_chat_template_override_replaces_the_tokenizers(tokenizer):
     from openai_frontend.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": [
-        {"type": "text", "text": "Name three "}, {"type": "text", "text": "primary colors."}]}])
+        {"type": "text", "text": "Name three"}, {"type": "text", "text": "primary colors."}]}])
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
-    assert render_chat(tokenizer, body, template) == "<user>Name three primary colors.<assistant>"
+    # Text parts are joined with newlines, as vLLM joins them.
+    assert render_chat(tokenizer, body, template) == "<user>Name three\nprimary colors.<assistant>"
     assert render_chat(tokenizer, body, None) == tokenizer.apply_chat_template(
-        MESSAGES, tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": "Name three\nprimary colors."}], tokenize=False, add_generation_prompt=True)
     own = body.model_copy(update={"chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"})
     with pytest.raises(OpenAIError) as refused:  # a caller's template is code run in the server
         render_chat(tokenizer, own, template)
     assert refused.value.status == 400 and refused.value.param == "chat_template"
-    assert render_chat(tokenizer, own, template, trust_request_template=True) == "[Name three primary colors.]"
+    assert render_chat(tokenizer, own, template, trust_request_template=True) == "[Name three\nprimary colors.]"
     smuggled = body.model_copy(update={"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}})
     with pytest.raises(OpenAIError, match="--trust-request-chat-template"):
         render_chat(tokenizer, smuggled, template)

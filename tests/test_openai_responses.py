@@ -160,7 +160,8 @@ def test_json_schema_text_format_validates(client):
 
 def test_input_items_become_chat_messages_and_tools_chat_tools():
     body = ResponsesRequest(model="llm", instructions="Be brief.", tools=[WEATHER], input=[
-        {"role": "user", "content": "Weather?"},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"},
+                                     {"type": "input_text", "text": "In Oslo."}]},
         {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
          "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
         {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
@@ -169,7 +170,7 @@ def test_input_items_become_chat_messages_and_tools_chat_tools():
     body.check()
     chat = body.chat_request("abc")
     assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?\nIn Oslo."},
         {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "5 C"}]

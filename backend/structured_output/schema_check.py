@@ -33,9 +33,12 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "exclusiveMinimum": (ENFORCED, "a number (draft 4's boolean form is refused), with `type` integer or number"),
     "exclusiveMaximum": (ENFORCED, "a number (draft 4's boolean form is refused), with `type` integer or number"),
     "multipleOf": (ENFORCED, "only a positive whole number with `type` integer; on numbers it is refused"),
-    "minLength": (ENFORCED, "with `type` string, not together with `pattern` (then the length is not enforced)"),
-    "maxLength": (ENFORCED, "with `type` string, not together with `pattern` (then the length is not enforced)"),
-    "pattern": (ENFORCED, "with `type` string; a subset of ECMA-262 (see below); matched against the whole string"),
+    "minLength": (ENFORCED, "with `type` string, not together with `pattern` or `format` (then the length is not "
+                            "enforced)"),
+    "maxLength": (ENFORCED, "with `type` string, not together with `pattern` or `format` (then the length is not "
+                            "enforced)"),
+    "pattern": (ENFORCED, "with `type` string, not together with `format` (then the pattern is not enforced); a "
+                          "subset of ECMA-262 (see below); matched against the whole string"),
     "format": (ENFORCED, "with `type` string; only the formats listed below"),
     "items": (ENFORCED, "a schema or boolean, with `type` array (the draft 7 list form is refused: use `prefixItems`)"),
     "prefixItems": (ENFORCED, "with `type` array"),
@@ -313,6 +316,13 @@ class _Walker:
             value = schema["multipleOf"]
             if set(types) != {"integer"} or not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _refuse("multipleOf", path, KEYWORDS["multipleOf"][1])
+        # The grammar gives a string one rule: a format's, else a pattern's, else a length's; the others beside it
+        # would be dropped.
+        if "format" in schema:
+            for keyword in ("pattern", "minLength", "maxLength"):
+                if keyword in schema:
+                    _refuse(keyword, path, "not enforced together with format: give the format alone, or a pattern "
+                                           "(with the length in it) without the format")
         if "pattern" in schema:
             if "minLength" in schema or "maxLength" in schema:
                 _refuse("minLength" if "minLength" in schema else "maxLength", path,
