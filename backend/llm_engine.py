@@ -80,6 +80,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
+        if config.device.startswith("cuda"):
+            index = int(config.device.partition(":")[2] or 0)
+            if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+                raise ValueError(f"device {config.device}: torch {torch.__version__} here sees "
+                                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device, cpu_kernels=config.attention_backend in ("auto", "cpu")

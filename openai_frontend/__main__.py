@@ -47,15 +47,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a request's own chat_template (Jinja code run in this process) instead of "
                              "refusing it with 400; only where every caller is trusted")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug",
+                                                                "trace"))
     args = parser.parse_args(argv)
     try:
         api_key = load_api_key(args.api_key, args.api_key_file)
         limits = Limits(args.max_request_body_bytes, args.max_prompts_per_request)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer,
-                            args.chat_template.read_text() if args.chat_template else None, api_key, limits,
+    try:
+        chat_template = args.chat_template.read_text() if args.chat_template else None
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--chat-template: {exc}")
+    config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer, chat_template, api_key, limits,
                             args.triton_metrics_url or None, args.open_render,
                             args.trust_request_chat_template)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,

@@ -32,10 +32,12 @@ def load_api_key(key: str | None = None, key_file: str | os.PathLike | None = No
 
     Raises:
         ValueError: both a key and a key file given at the same level (flags, or environment), or the key
-            is empty or holds whitespace.
+            is empty (an empty ``LLM_API_KEY`` counts as unset) or holds whitespace.
         OSError: the key file cannot be read.
     """
     env = os.environ if env is None else env
+    if key == "":  # given, but empty (an unset variable expanded into the flag): not a request for no key
+        raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
     for value, path, source in ((key, key_file, "--api-key and --api-key-file"),
                                 (env.get(KEY_ENV), env.get(KEY_FILE_ENV), f"{KEY_ENV} and {KEY_FILE_ENV}")):
         if value and path:

@@ -35,7 +35,7 @@ def pop_grace(settings: dict) -> float:
     """Removes ``drain_grace_s`` from the model's settings and returns it (seconds; default 30).
 
     Raises:
-        ValueError: not a number >= 0.
+        ValueError: not a finite number >= 0.
     """
     raw = settings.pop(GRACE_SETTING, "")
     if raw is None or (isinstance(raw, str) and not raw.strip()):
@@ -46,8 +46,8 @@ def pop_grace(settings: dict) -> float:
         grace = float(raw)
     except (TypeError, ValueError):
         raise ValueError(f"{GRACE_SETTING} must be a number of seconds, got {raw!r}") from None
-    if not grace >= 0:
-        raise ValueError(f"{GRACE_SETTING} must be >= 0, got {raw!r}")
+    if not 0 <= grace < float("inf"):
+        raise ValueError(f"{GRACE_SETTING} must be a finite number >= 0, got {raw!r}")
     return grace
 
 

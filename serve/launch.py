@@ -121,17 +121,48 @@ def _stage_python_backend(bundle: Path) -> Path:
     return target.parent
 
 
+def _port(low: int):
+    """An argparse type: a TCP port number, ``low`` (1, or 0 where 0 means none) to 65535. tritonserver takes any
+    int and binds it modulo 65536, where the launcher's own requests (drain, health) would not find it."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+        if not low <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"{value} is not a port: {low}-65535")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a wait: a finite number of seconds above 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Start tritonserver on this repository's model repository.")
+    # String defaults from the environment go through each flag's type too, so a bad HTTP_PORT is named as
+    # --http-port's value instead of a traceback.
+    parser = argparse.ArgumentParser(prog="python -m serve",
+                                     description="Start tritonserver on this repository's model repository.")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
-    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
-    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--http-port", type=_port(1), default=os.environ.get("HTTP_PORT", "8000"),
+                        help="Triton's HTTP port (env HTTP_PORT; default 8000)")
+    parser.add_argument("--grpc-port", type=_port(1), default=os.environ.get("GRPC_PORT", "8001"),
+                        help="Triton's gRPC port (env GRPC_PORT; default 8001)")
+    parser.add_argument("--metrics-port", type=_port(1), default=os.environ.get("METRICS_PORT", "8002"),
+                        help="Triton's metrics port (env METRICS_PORT; default 8002)")
     parser.add_argument("--triton-host", default=os.environ.get("TRITON_HOST", DEFAULT_TRITON_HOST),
                         help="address of tritonserver's HTTP, gRPC and metrics services (default 127.0.0.1: "
                              "reachable from this host only; 0.0.0.0 exposes them)")
     parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
+    parser.add_argument("--openai-port", type=_port(0), default=os.environ.get("OPENAI_PORT", "9000"),
                         help="port of the OpenAI frontend started beside tritonserver (0: none); its API key comes "
                              "from LLM_API_KEY or LLM_API_KEY_FILE in this environment")
     parser.add_argument("--openai-arg", action="append", default=[], metavar="ARG",
@@ -140,11 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--malloc", choices=allocator.CHOICES, default=os.environ.get("LLM_MALLOC", "auto"),
                         help="tritonserver's (and so the engine's) allocator: tcmalloc, preloaded (auto: where "
                              "installed, package libtcmalloc-minimal4), or glibc's (system); default %(default)s")
-    parser.add_argument("--drain-timeout-secs", type=float, default=DRAIN_TIMEOUT_S,
+    parser.add_argument("--drain-timeout-secs", type=_seconds, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
                              "(their own grace period is the model setting drain_grace_s) before stopping "
                              "tritonserver")
-    parser.add_argument("--max-restarts", type=int, default=int(os.environ.get("MAX_RESTARTS", DEFAULT_MAX_RESTARTS)),
+    parser.add_argument("--max-restarts", type=int, default=os.environ.get("MAX_RESTARTS", str(DEFAULT_MAX_RESTARTS)),
                         help="restarts of tritonserver (a killed backend stub) or the OpenAI frontend and reloads "
                              "of a model whose engine died, allowed in any ten minutes; past them the launcher "
                              "drains and exits 1 (default %(default)s; 0: give up on the first fault)")

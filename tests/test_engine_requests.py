@@ -448,6 +448,11 @@ def test_empty_settings_mean_the_defaults_and_typed_values_must_have_the_setting
             pop_metric_settings({"vllm_metrics": raw})
     with pytest.raises(ValueError, match="drain_grace_s must be a number of seconds"):
         pop_grace({"drain_grace_s": True})
+    with pytest.raises(ValueError, match="device cuda:99: torch .* here sees .* CUDA device"):  # not torch's assert
+        LLMEngine(EngineConfig(device="cuda:99"))
+    for raw in ("inf", "nan", "-1"):  # a grace that never ends would never abort what is in flight
+        with pytest.raises(ValueError, match="drain_grace_s must be a finite number >= 0"):
+            pop_grace({"drain_grace_s": raw})
 
 
 def _greedy(engine, prompt, request_id, **params):

@@ -279,6 +279,9 @@ def test_api_key_sources(tmp_path):
         load_api_key(None, tmp_path / "empty", env={})
     with pytest.raises(ValueError, match="whitespace"):
         load_api_key("two words", env={})
+    with pytest.raises(ValueError, match="--api-key is empty"):  # not silently "no key": every route open
+        load_api_key("", env={})
+    assert load_api_key(env={"LLM_API_KEY": ""}) is None  # an empty variable is unset (Compose passes it so)
 
 
 def test_admin_key_sources_and_the_flags_that_carry_it(tmp_path):
@@ -295,6 +298,22 @@ def test_admin_key_sources_and_the_flags_that_carry_it(tmp_path):
         "--http-restricted-api=model-repository,shared-memory,logging,trace:triton-admin-key=k",
         "--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:triton-admin-key=k"]
     assert control.admin_headers("k", grpc=True) == {"triton-grpc-protocol-triton-admin-key": "k"}
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    # tritonserver binds a port modulo 65536, where the launcher's drain and health requests would not find it.
+    (["--http-port", "70000"], {}, "argument --http-port: 70000 is not a port: 1-65535"),
+    (["--openai-port", "-1"], {}, "argument --openai-port: -1 is not a port: 0-65535"),
+    ([], {"GRPC_PORT": "abc"}, "argument --grpc-port: 'abc' is not a port number"),
+    # A wait that ends at once stops tritonserver with requests in flight (the drain is skipped).
+    (["--drain-timeout-secs", "-1"], {}, "argument --drain-timeout-secs: -1 is not a wait"),
+    (["--drain-timeout-secs", "nan"], {}, "argument --drain-timeout-secs: nan is not a wait"),
+])
+def test_launcher_flags_out_of_range_are_refused_before_anything_starts(argv, env, message):
+    result = subprocess.run([sys.executable, "-m", "serve", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                            env={**os.environ, **env}, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "+ " not in result.stdout  # no command was started
 
 
 @pytest.mark.parametrize("child, status", [

@@ -16,7 +16,8 @@ those requests in the engine, which drops a waiting one before it can be schedul
 checks the engine's health when idle (``serve.health``: a dead engine unloads the model).
 
 A request the engine cannot take now (the waiting queue is full, or the engine is dead) gets UNAVAILABLE
-(HTTP 503 on the generate endpoints); bad input gets INVALID_ARG (HTTP 400).
+(on gRPC; tritonserver 2.51's HTTP generate endpoints answer every error with 400, newer ones UNAVAILABLE with
+503); bad input gets INVALID_ARG (HTTP 400).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class TritonPythonModel:
                     return None
             self._add(parsed, request_id, state)
             return None
-        except EngineUnavailableError as exc:  # full or dead: UNAVAILABLE (HTTP 503), the client may retry
+        except EngineUnavailableError as exc:  # full or dead: UNAVAILABLE (the client may retry)
             _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
             return str(exc)
         except ValueError as exc:
