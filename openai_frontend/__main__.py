@@ -12,6 +12,7 @@ from openai_frontend.app import DEFAULT_MODEL_REPOSITORY, FrontendConfig, create
 from openai_frontend.auth import KEY_ENV, KEY_FILE_ENV, load_api_key
 from openai_frontend.http_protocol import SlicedHttpToolsProtocol
 from openai_frontend.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, Limits
+from openai_frontend.models import tokenizer_for
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> None:
         chat_template = args.chat_template.read_text() if args.chat_template else None
     except (OSError, UnicodeDecodeError) as exc:
         parser.error(f"--chat-template: {exc}")
+    if args.tokenizer:  # every model's tokenizer: one that cannot load is refused here, not on every request
+        try:
+            tokenizer_for(args.model_repository, args.tokenizer, "", "")
+        except Exception as exc:  # noqa: BLE001 - Hugging Face's loader raises many kinds
+            parser.error(f"--tokenizer {args.tokenizer}: {exc}")
     config = FrontendConfig(args.triton_url, args.model_repository, args.tokenizer, chat_template, api_key, limits,
                             args.triton_metrics_url or None, args.open_render,
                             args.trust_request_chat_template)

@@ -316,6 +316,19 @@ def test_launcher_flags_out_of_range_are_refused_before_anything_starts(argv, en
     assert "+ " not in result.stdout  # no command was started
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key="], "--api-key is empty"),  # not "no key": every route would be open
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--chat-template", "/nonexistent/t.jinja"], "--chat-template: [Errno 2]"),
+    (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: model '/nonexistent' is neither"),
+])
+def test_frontend_flags_that_cannot_work_are_refused_before_it_serves(argv, message):
+    result = subprocess.run([sys.executable, "-m", "openai_frontend", "--port", str(free_port()), *argv],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k not in ("LLM_API_KEY", "LLM_API_KEY_FILE")})
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("child, status", [
     # uvicorn's way: on SIGTERM, shut down, then re-raise the signal (killed by SIGTERM, status -15).
     ("import signal, time; signal.signal(signal.SIGTERM, lambda *a: (signal.signal(signal.SIGTERM, "
