@@ -44,12 +44,12 @@ class SamplingParams:
             CPU generator takes a 32-bit seed: a seed under 2**32 is used as it is, and a larger or negative one
             has its upper 32 bits mixed into the lower (``generator_seed``), so that seeds which differ only
             there (s and s + 2**32, or -1 and 2**32 - 1) draw differently. The n completions of a request use
-            seed, seed + 1, ..., seed + n - 1 (as vLLM does), so neighbouring seeds share completions. In fp32 they are the same whatever
-            shares the batch (every GEMM sums in one order for any number of rows); a request preempted and
-            recomputed, or one whose prompt is served from cached blocks that another request's decode steps wrote
-            (a chat's earlier answer), has K/V from a prefill where they came from decode steps, or the reverse;
-            the two attention kernels round differently (about 1e-5 in log-probabilities), so a draw that falls
-            that close to a boundary can go the other way.
+            seed, seed + 1, ..., seed + n - 1 (as vLLM does), so neighbouring seeds share completions. In fp32
+            the tokens are the same whatever shares the batch (every GEMM sums in one order for any number of
+            rows); a request preempted and recomputed, or one whose prompt is served from cached blocks that
+            another request's decode steps wrote (a chat's earlier answer), has K/V from a prefill where they came
+            from decode steps, or the reverse; the two attention kernels round differently (about 1e-5 in
+            log-probabilities), so a draw that falls that close to a boundary can go the other way.
         stop: strings that end the request; the stop string itself is not returned (at most
             ``MAX_STOP_STRINGS`` of at most ``MAX_STOP_STRING_CHARS`` characters).
         stop_token_ids: token ids that end the request (the token is kept in output_ids; at most
