@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend import SamplingParams
+from backend.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # Optional inputs that map one to one onto SamplingParams fields, with the Python type each must become.
 SAMPLING_INPUTS: dict[str, type] = {
@@ -65,6 +66,10 @@ JSON_PARAMETER_FIELDS = ("logit_bias", "allowed_token_ids", "stop_token_ids", "b
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1
+# Triton's HTTP endpoint converts a JSON number over INT32_MAX sent to an INT32 input modulo 2**32, so values in
+# (INT32_MAX, 2**32) arrive as [-2**31, -1]. A value this far below zero is named as such a wrap in the error;
+# a small negative one (-1, sent as is, as over gRPC) is not.
+WRAPPED_BELOW = 2**24
 INT32_INPUTS = ("max_tokens", "min_tokens", "top_k", "n", "min_length", "end_id", "pad_id", "beam_width",
                 "num_return_sequences", "runtime_top_k", "priority", "timeout_ms")
 
@@ -107,7 +112,7 @@ def check_request_id(request_id: str) -> str:
 
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
-                  triton_timeout_us: int = 0) -> ParsedRequest:
+                  triton_timeout_us: int = 0, vocab_size: int | None = None) -> ParsedRequest:
     """Builds the engine's view of one Triton request.
 
     Sampling values are read, later ones winning, from the request ``parameters`` (Triton's generate
@@ -120,6 +125,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         parameters: the request's parameters, decoded from JSON.
         triton_timeout_us: Triton's own request timeout (``request.timeout()``, microseconds; 0 for none),
             the deadline when no ``timeout_ms`` is given.
+        vocab_size: the model's vocabulary size: ``end_id`` outside it is refused under that name (other token
+            ids are checked by the engine).
 
     Raises:
         ValueError: a message naming the field: neither or both of ``text_input`` and ``input_ids``, bad or
@@ -183,7 +190,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     if timeout_ms is None and triton_timeout_us > 0:
         timeout_ms = max(1, triton_timeout_us // 1000)
     _apply_structured_outputs(values, inputs)
-    aliases = _apply_trtllm_inputs(values)
+    aliases = _apply_trtllm_inputs(values, vocab_size)
     logprobs_asked = values.get("logprobs") is not None
     if "return_cumulative_logprob" in returns and not logprobs_asked:
         values["logprobs"] = 0
@@ -195,9 +202,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             if message.startswith(f"{canonical} "):
                 message += f" (sent as {alias})"
         for name in INT32_INPUTS:
-            if message.startswith(f"{name} ") and name in inputs and _first(inputs[name]).item() <= 0:
-                message += (f"; a JSON value over {INT32_MAX} sent to the INT32 {name} input wraps around in "
-                            f"Triton's conversion before the model sees it")
+            if message.startswith(f"{name} ") and name in inputs and _first(inputs[name]).item() <= -WRAPPED_BELOW:
+                message += (f"; if a JSON number over {INT32_MAX} was sent to the INT32 {name} input over HTTP, "
+                            f"Triton's conversion wrapped it around to this before the model saw it")
         raise ValueError(message) from None
     return ParsedRequest(prompt, params, stream, exclude, priority, timeout_ms, returns, cache_salt, fairness_key,
                          logprobs_asked)
@@ -305,7 +312,7 @@ def _apply_structured_outputs(values: dict[str, object], inputs: dict[str, np.nd
         values["structured_outputs"] = constraint
 
 
-def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
+def _apply_trtllm_inputs(values: dict[str, object], vocab_size: int | None = None) -> dict[str, str]:
     """Rewrites TensorRT-LLM backend inputs in ``values`` as SamplingParams fields, in place.
 
     - ``min_length`` -> ``min_tokens``; ``num_return_sequences`` -> ``n``; ``runtime_top_p`` -> ``top_p``;
@@ -322,11 +329,17 @@ def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
       TensorRT-LLM; they are checked (a finite number, a boolean) and ignored. ``pad_id`` has no effect:
       outputs are never padded.
 
+    Args:
+        values: the request's values by name, rewritten in place.
+        vocab_size: the model's vocabulary size, against which ``end_id`` is checked (None: not checked here).
+
     Returns:
         alias -> canonical field name, for the aliases that were present (to name them in errors).
 
     Raises:
-        ValueError: ``beam_width`` other than 1, a non-finite ``len_penalty``, or an alias and its
+        ValueError: ``beam_width`` other than 1, a non-finite ``len_penalty``, an ``end_id`` or ``pad_id`` that
+            is not a token id (``end_id`` outside the vocabulary), ``stop_words`` that are not strings, longer
+            than a stop string may be or, with ``stop``, more than a request may hold, or an alias and its
             canonical field both given with different values.
     """
     aliases: dict[str, str] = {}
@@ -338,9 +351,7 @@ def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
         if penalty is not None and not (isinstance(penalty, float) and np.isfinite(penalty)):
             raise ValueError(f"{name} must be a finite number, got {penalty!r}")
     values.pop("early_stopping", None)
-    pad_id = values.pop("pad_id", None)
-    if pad_id is not None and pad_id < 0:
-        raise ValueError(f"pad_id must be >= 0, got {pad_id}")
+    _token_id("pad_id", values.pop("pad_id", None), None)
 
     renamed = {"min_length": "min_tokens", "num_return_sequences": "n", "runtime_top_p": "top_p",
                "runtime_top_k": "top_k", "random_seed": "seed"}
@@ -364,11 +375,11 @@ def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
         aliases[alias] = canonical
 
     stop_words = values.pop("stop_words", None)
-    if stop_words:
-        values["stop"] = [*(values.get("stop") or []), *(w for w in stop_words if w != "")]
+    if stop_words is not None:
+        values["stop"] = _merged_stop_words(stop_words, values.get("stop"))
     if "bad_words" in values and isinstance(values["bad_words"], list):
         values["bad_words"] = [w for w in values["bad_words"] if w != ""]
-    end_id = values.pop("end_id", None)
+    end_id = _token_id("end_id", values.pop("end_id", None), vocab_size)
     if end_id is not None:
         stop_token_ids = values.get("stop_token_ids") or []
         values["stop_token_ids"] = [*stop_token_ids, end_id] if isinstance(stop_token_ids, list) else stop_token_ids
@@ -377,6 +388,44 @@ def _apply_trtllm_inputs(values: dict[str, object]) -> dict[str, str]:
     if values.pop("return_log_probs", False) and values.get("logprobs") is None:
         values["logprobs"] = 0
     return aliases
+
+
+def _token_id(name: str, value: object, vocab_size: int | None) -> int | None:
+    """A TensorRT-LLM token-id input (``end_id``, ``pad_id``): None, or an integer in [0, vocab_size).
+
+    Raises:
+        ValueError: naming the input, for any other value.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a token id (an integer >= 0), got {_clip(value)}")
+    if vocab_size is not None and value >= vocab_size:
+        raise ValueError(f"{name} is {value}, outside the vocabulary [0, {vocab_size})")
+    return value
+
+
+def _merged_stop_words(stop_words: object, stop: object) -> object:
+    """TensorRT-LLM's ``stop_words`` added to ``stop``, its empty strings dropped (its clients send ``""`` for
+    none), checked against the stop strings' limits under its own name.
+
+    Raises:
+        ValueError: ``stop_words`` is not a list of strings, holds a string longer than a stop string may be,
+            or holds more strings than fit beside ``stop``.
+    """
+    if not isinstance(stop_words, list) or not all(isinstance(w, str) for w in stop_words):
+        raise ValueError(f"stop_words must be a string or a list of strings, got {_clip(stop_words)}")
+    words = [w for w in stop_words if w != ""]
+    longest = max((len(w) for w in words), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"stop_words has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS}")
+    stop = [] if stop is None else stop
+    if not isinstance(stop, list):  # SamplingParams refuses it, naming stop
+        return stop
+    if len(stop) + len(words) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop_words and stop hold {len(words)} and {len(stop)} strings; at most "
+                         f"{MAX_STOP_STRINGS} together")
+    return [*stop, *words]
 
 
 def _sampling_parameters(raw: object) -> dict[str, object]:

@@ -90,11 +90,31 @@ def test_tensorrt_llm_inputs_map_onto_sampling_params():
     (dict(min_length=30, max_tokens=10), "min_tokens must be <= max_tokens .* \\(sent as min_length\\)"),
     (dict(num_return_sequences=3, n=2), "num_return_sequences \\(3\\) and n \\(2\\) disagree"),
     (dict(len_penalty=float("inf")), "len_penalty must be a finite number"),
-    (dict(max_tokens=-1294967296), "wraps around in Triton's conversion"),
+    (dict(max_tokens=-1294967296), "max_tokens .* got -1294967296; if a JSON number over 2147483647 was sent"),
+    (dict(max_tokens=-3), "^max_tokens must be in \\[1, inf\\), got -3$"),  # as sent over gRPC: nothing wrapped
+    (dict(end_id=-3), "^end_id must be a token id \\(an integer >= 0\\), got -3$"),
+    (dict(pad_id=-1), "^pad_id must be a token id"),
+    (dict(stop_words=["x" * 257]), "^stop_words has a string of 257 characters; at most 256$"),
+    (dict(stop_words=["x"] * 20, stop=["y"] * 13), "^stop_words and stop hold 20 and 13 strings; at most 32 together$"),
 ])
 def test_tensorrt_llm_inputs_are_refused_clearly(tensors, message):
     with pytest.raises(ValueError, match=message):
         parse_request(inputs(**tensors), {})
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"stop_words": 5}, "^stop_words must be a string or a list of strings, got 5$"),
+    ({"stop_words": [5]}, "^stop_words must be a string or a list of strings, got \\[5\\]$"),
+    ({"pad_id": [5]}, "^pad_id must be a token id \\(an integer >= 0\\), got \\[5\\]$"),
+    ({"end_id": "x"}, "^end_id must be an integer, got string 'x'$"),
+    ({"end_id": True}, "^end_id must be a token id"),
+    ({"end_id": 49152}, "^end_id is 49152, outside the vocabulary \\[0, 49152\\)$"),
+])
+def test_tensorrt_llm_values_of_the_wrong_kind_are_refused_by_the_name_sent(sampling, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs(sampling_parameters=json.dumps(sampling)), {}, vocab_size=49152)
+    assert parse_request(inputs(sampling_parameters=json.dumps({"end_id": 49151})), {},
+                         vocab_size=49152).params.stop_token_ids == [49151]
 
 
 def test_max_tokens_beyond_int32_quotes_the_value_sent():

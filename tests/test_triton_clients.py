@@ -171,6 +171,8 @@ def test_tensorrt_llm_inputs_are_honoured(triton_server, version):
     ({"text_input": "hi", "beam_width": 4}, "beam_width must be 1 (beam search is not supported), got 4"),
     ({"text_input": "hi", "runtime_top_p": 0.0}, "(sent as runtime_top_p)"),
     ({"text_input": "hi", "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens must be an integer, got string 'many'"),
+    ({"text_input": "hi", "end_id": 49152}, "end_id is 49152, outside the vocabulary [0, 49152)"),
+    ({"text_input": "hi", "sampling_parameters": '{"stop_words": 5}'}, "stop_words must be a string or a list of strings"),
 ])
 def test_tensorrt_llm_and_string_values_are_refused_by_name(triton_server, body, message):
     for version in ("1", "2"):

@@ -129,7 +129,8 @@ class TritonPythonModel:
         try:
             client_id = check_request_id(request.request_id() or "req")
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout())
+            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout(),
+                                   vocab_size=self.engine.model_config.vocab_size)
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
             if not isinstance(prefix, str):  # input_ids: the ids' text, once they are known to be ids of the vocabulary
