@@ -31,12 +31,12 @@ import torch
 from backend.attention import AttentionBackend
 from backend.config import EngineConfig
 from backend.cpu_threads import plan_binding
-from backend.errors import EngineOverloadedError
+from backend.errors import NO_TOKEN_MESSAGE, EngineOverloadedError
 from backend.fault_injection import FaultInjector
 from backend.kv_cache_manager import KVCacheManager
 from backend.model_runner import ModelRunner
 from backend.request import Request, RequestStatus
-from backend.sampler import TokenLogprobs
+from backend.sampler import NO_TOKEN, TokenLogprobs
 from backend.scheduler import Scheduler
 from backend.scheduler_output import SchedulerOutput
 from backend.stats import SchedulerStats
@@ -196,7 +196,8 @@ class EngineCore:
 
         Requests past their deadline end first (``FINISHED_TIMEOUT``, in ``ended``). A failed forward pass
         ends the step's requests with ``FINISHED_ERROR`` (in ``ended``) and counts in
-        ``num_consecutive_failed_steps``; others go on.
+        ``num_consecutive_failed_steps``; others go on. A request whose own masks left the sampler no token
+        (``NO_TOKEN``) ends alone with ``FINISHED_ERROR`` and ``NO_TOKEN_MESSAGE`` (in ``ended``).
         """
         out = EngineCoreOutput(ended=self.take_inbox())
         started = time.monotonic()
@@ -220,6 +221,10 @@ class EngineCore:
             self._publish_waiting()
             return out
         self.num_consecutive_failed_steps = 0
+        for request in sched.requests:  # its own masks left it no token: it ends, the others go on
+            if result.sampled.get(request.request_id) == NO_TOKEN and not request.is_finished:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, NO_TOKEN_MESSAGE)
+                out.ended.append(self._requests.pop(request.request_id))
         out.new_token = self.scheduler.update_from_output(sched, result.sampled, result.verified)
         self.scheduler.observe_step(sched, time.monotonic() - started)
         out.logprobs = result.logprobs

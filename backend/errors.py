@@ -13,6 +13,12 @@ from __future__ import annotations
 UNAVAILABLE_MESSAGE_STARTS = ("server is full:", "server is shutting down", "the engine is shutting down",
                               "engine is dead", "the grammar compile")
 
+# The error of a request that its own settings ended mid-generation (finish_reason "error"): a fault its client can
+# fix, answered like a refused request (INVALID_ARG, HTTP 400), not as an internal error. Matched at the start.
+NO_TOKEN_MESSAGE = ("no token can be sampled: this request's allowed_token_ids, min_tokens (which holds EOS and "
+                    "stop_token_ids off), bad_words and structured output together mask every token")
+REQUEST_ERROR_STARTS = ("no token can be sampled",)
+
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot take this request now; a valid request, refused before anything was queued."""

@@ -12,6 +12,9 @@ from backend.request import Request
 from backend.structured_output.grammar import apply_grammar_bitmask
 
 FLOAT_MAX = torch.finfo(torch.float32).max
+# The pick of a row whose request's own masks (allowed_token_ids, min_tokens, bad words, its grammar) leave no
+# token: the scheduler ends that request with NO_TOKEN_MESSAGE (its batch mates are untouched).
+NO_TOKEN = -1
 
 
 @dataclass
@@ -79,7 +82,9 @@ class Sampler:
             logits: ``[batch, vocab]`` for ``requests`` in order (any float dtype; computed in fp32).
 
         Returns:
-            One token id per request, and logprobs for the requests that asked.
+            One token id per request, and logprobs for the requests that asked; ``NO_TOKEN`` (and no logprobs)
+            for a request whose masks leave every token at -inf (say ``allowed_token_ids`` that are all EOS while
+            ``min_tokens`` holds EOS off).
         """
         if self.native_argmax and logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
             # the argmax of the model's-dtype logits equals that of their fp32 copy
@@ -99,18 +104,21 @@ class Sampler:
         for i, row in kept.items():
             if bool(torch.isneginf(logits[i]).all()):
                 logits[i] = row
+        dead = {i for i, r in enumerate(requests) if _masks(r) and bool(torch.isneginf(logits[i]).all())}
         # max(dim).indices is argmax (the first maximal index); on CPU torch's argmax takes a slower path
         token_ids = logits.max(dim=-1).indices
-        sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy and i not in dead]
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in sampled_rows])
 
         ids = token_ids.tolist()
+        for i in dead:
+            ids[i] = NO_TOKEN
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             for i, request in enumerate(requests):
-                if want_logprobs[i]:
+                if want_logprobs[i] and i not in dead:
                     logprobs[i] = _logprobs(raw_logprobs[i], ids[i], request.params.logprobs)
         return SamplerOutput(ids, logprobs)
 
@@ -253,6 +261,13 @@ def accept_greedy(draft_token_ids, target_token_ids: list[int]) -> list[int]:
             break
         accepted += 1
     return list(target_token_ids[:accepted + 1])
+
+
+def _masks(request: Request) -> bool:
+    """Whether the sampler masks any token of ``request`` to -inf (so that it could mask them all)."""
+    params = request.params
+    return (params.allowed_token_ids is not None or request.grammar is not None or bool(request.bad_words_token_ids)
+            or request.num_output_tokens < params.min_tokens)
 
 
 def plain_greedy(request: Request) -> bool:

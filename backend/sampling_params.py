@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, field
 
 from backend.structured_output.params import StructuredOutputsParams
@@ -29,7 +30,8 @@ class SamplingParams:
         n: completions for the prompt (parallel sampling: they share the prompt's full KV blocks), >= 1; the
             engine's ``max_n`` bounds it.
         max_tokens: most output tokens; None allows up to ``max_model_len``.
-        min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request.
+        min_tokens: output tokens before EOS, stop_token_ids or stop strings may end the request (a grammar that
+            allows nothing but its end still ends it: see ``backend.sampler.Sampler``).
         temperature: 0 means greedy, and so does anything below ``GREEDY_TEMPERATURE`` (1e-5, as vLLM),
             where dividing the logits by it could overflow; otherwise logits are divided by it.
         top_k: keep the k most likely tokens; -1 or 0 keeps all (0 is taken as -1, as vLLM takes both).
@@ -231,7 +233,9 @@ def _int(name: str, value: object, low: int | None = None, high: int | None = No
 
 
 def _float(name: str, value: object, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            # an int beyond float's range (JSON's 1e400 written out) is as infinite as a float would hold it
+            or not (abs(value) <= sys.float_info.max if isinstance(value, int) else math.isfinite(value))):
         raise ValueError(f"{name} must be a finite number, got {_short(value)}")
     _range(name, value, low, high, low_open)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,11 @@ TRTLLM_INPUTS: dict[str, type] = {
 TRTLLM_LIST_INPUTS = ("stop_words", "bad_words")
 # Scheduling inputs (not sampling): ParsedRequest.priority (lower first) and .timeout_ms (a deadline).
 SCHEDULING_INPUTS: dict[str, type] = {"priority": int, "timeout_ms": int}
+# SamplingParams fields that are not inputs but, like them, may come as strings in sampling_parameters or as
+# request parameters (``{"prompt_logprobs": "1"}``), with the Python type each must become.
+OTHER_SCALAR_FIELDS: dict[str, type] = {"prompt_logprobs": int, "truncate_prompt_tokens": int,
+                                        "skip_special_tokens": bool, "include_stop_str_in_output": bool,
+                                        "best_of": int}
 # String settings read like sampling values: vLLM's cache_salt, and the fair-queuing key of the scheduler
 # (requests with the same key take one turn together in admission).
 STRING_SETTINGS = ("cache_salt", "fairness_key")
@@ -62,7 +68,10 @@ MAX_SAMPLING_PARAMETERS_BYTES = 512 * 1024
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # Settings whose value is an object or a list: a request parameter (a string, number or boolean in Triton) carries
 # it as JSON text, e.g. "parameters": {"logit_bias": "{\"30\": 100}"}.
-JSON_PARAMETER_FIELDS = ("logit_bias", "allowed_token_ids", "stop_token_ids", "bad_words")
+JSON_PARAMETER_FIELDS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
+# Settings that hold strings: as a request parameter, a JSON list's text (``'["a", "b"]'``) is that list, and any
+# other string (``"[END]"`` included, which is not JSON) the one string.
+STRING_LIST_FIELDS = ("stop", "stop_words", "bad_words")
 MAX_JSON_DEPTH = 32  # {"stop": ["..."]} is 2 deep; a JSON schema in structured_outputs adds its own depth
 MAX_REQUEST_ID_BYTES = 256
 INT32_MAX = 2**31 - 1
@@ -136,13 +145,14 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     """
     prompt = _prompt(inputs)
 
-    scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS, **SCHEDULING_INPUTS}
+    scalars = {**SAMPLING_INPUTS, **TRTLLM_INPUTS, **SCHEDULING_INPUTS, **OTHER_SCALAR_FIELDS}
     lists = (*LIST_INPUTS, *TRTLLM_LIST_INPUTS)
     values: dict[str, object] = {}
     for key, value in parameters.items():  # keys that name no setting are Triton's own (or a client's): left alone
         if (key in scalars or key in FLAG_INPUTS or key in lists or key in STRUCTURED_OUTPUTS_NAMES
                 or key in STRING_SETTINGS or key in SAMPLING_FIELDS or key in REQUEST_LEVEL_NAMES):
-            values[key] = _json_parameter(key, value) if key in JSON_PARAMETER_FIELDS else value
+            values[key] = (_json_parameter(key, value) if key in JSON_PARAMETER_FIELDS
+                           else _string_list_parameter(key, value) if key in STRING_LIST_FIELDS else value)
     values = _vllm_request_fields(values)
     overridden: dict[str, object] = {}  # values that a later source replaces (see _check_overridden)
     if "sampling_parameters" in inputs:
@@ -156,7 +166,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             if name in values:
                 overridden[name] = values[name]
             values[name] = _first(inputs[name]).item()
-    for name in ("stop", "stop_words", "bad_words"):
+    for name in STRING_LIST_FIELDS:
         if name in inputs:
             if name in values:
                 overridden[name] = values[name]
@@ -172,9 +182,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         value = values.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and not -INT32_MAX - 1 <= value <= INT32_MAX:
             raise ValueError(f"{name} is {value}, beyond the INT32 range of the {name} input (max {INT32_MAX})")
-    for name in ("stop", "stop_words", "bad_words"):
+    for name in STRING_LIST_FIELDS:
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
+    if isinstance(values.get("logit_bias"), dict):  # {"5": "1"}: biases may be strings like any number
+        values["logit_bias"] = {k: _coerce("logit_bias", v, float) for k, v in values["logit_bias"].items()}
     cache_salt, fairness_key = (values.pop(name, None) for name in STRING_SETTINGS)
     for name, value in zip(STRING_SETTINGS, (cache_salt, fairness_key)):
         if value is not None and not isinstance(value, str):
@@ -191,6 +203,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
         timeout_ms = max(1, triton_timeout_us // 1000)
     _apply_structured_outputs(values, inputs)
     aliases = _apply_trtllm_inputs(values, vocab_size)
+    best_of = values.pop("best_of", None)  # vLLM's: kept only where it asks for nothing but the n completions
+    if best_of is not None and best_of not in (1, values.get("n", 1)):
+        raise ValueError(f"best_of must be 1 or n (ranking candidates is not supported), got {_clip(best_of)}")
     logprobs_asked = values.get("logprobs") is not None
     if "return_cumulative_logprob" in returns and not logprobs_asked:
         values["logprobs"] = 0
@@ -216,6 +231,18 @@ def _json_parameter(name: str, value: object) -> object:
     if not isinstance(value, str) or not value.lstrip().startswith(("{", "[")):
         return value
     return _bounded_json(f"the {name} parameter", value)
+
+
+def _string_list_parameter(name: str, value: object) -> object:
+    """A request parameter of a string-list setting: the list when its text is a JSON list, else as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            decoded = _bounded_json(f"the {name} parameter", value)
+        except ValueError:  # not JSON (or over the limits): the string itself, checked as one stop string
+            return value
+        if isinstance(decoded, list):
+            return decoded
+    return value
 
 
 def _check_overridden(overridden: dict[str, object], scalars: dict[str, type]) -> None:
@@ -259,18 +286,12 @@ def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:
 def _vllm_request_fields(values: dict[str, object]) -> dict[str, object]:
     """OpenAI request fields that Triton's OpenAI frontend (``--backend vllm``) passes through in
     ``sampling_parameters``, as the engine's fields: chat's ``logprobs`` (a boolean) with ``top_logprobs``
-    becomes ``logprobs`` (a count, or None); ``best_of`` equal to 1 or ``n`` is dropped.
-
-    Raises:
-        ValueError: ``best_of`` other than 1 or ``n`` (the engine does not rank candidates).
+    becomes ``logprobs`` (a count, or None). (``best_of`` is checked against ``n`` once every source is read.)
     """
     values = dict(values)
     top_logprobs = values.pop("top_logprobs", None)
     if isinstance(values.get("logprobs"), bool):
         values["logprobs"] = (top_logprobs or 0) if values["logprobs"] else None
-    best_of = values.pop("best_of", None)
-    if best_of is not None and best_of not in (1, values.get("n", 1)):
-        raise ValueError(f"best_of must be 1 or n (ranking candidates is not supported), got {_clip(best_of)}")
     return values
 
 
@@ -363,8 +384,8 @@ def _apply_trtllm_inputs(values: dict[str, object], vocab_size: int | None = Non
         if alias == "runtime_top_k" and value == 0:
             value = -1
         if alias == "random_seed" and isinstance(value, int):
-            if value < 0:
-                raise ValueError(f"random_seed must be >= 0, got {value}")
+            if not 0 <= value < 2**64:
+                raise ValueError(f"random_seed must be in [0, 2**64) (TensorRT-LLM's UINT64), got {value}")
             value &= 2**63 - 1
         sent = values.get(canonical)
         if canonical == "top_k" and sent == 0:  # 0 and -1 both mean off (SamplingParams takes 0 as -1)
@@ -502,16 +523,16 @@ def _coerce(name: str, value: object, kind: type) -> object:
     if isinstance(value, np.generic):
         value = value.item()
     if kind is bool:
-        return _flag(value, name) if isinstance(value, str) else value
+        return _flag(value, name)
     if isinstance(value, str):
         try:
             value = int(value) if kind is int else float(value)
         except ValueError:
             wanted = "an integer" if kind is int else "a number"
             raise ValueError(f"{name} must be {wanted}, got string {_clip(value)}") from None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and isinstance(value, int) and not isinstance(value, bool) and abs(value) <= sys.float_info.max:
         return float(value)
-    return value
+    return value  # a larger int is refused by SamplingParams, naming the field
 
 
 def _clip(value: object, limit: int = 80) -> str:

@@ -471,6 +471,26 @@ def test_logit_bias_and_allowed_token_ids_steer_every_token(engine):
     assert set(allowed) <= {5, 6} and len(allowed) == 8
 
 
+def test_settings_that_mask_every_token_end_that_request_alone_with_a_clear_error(engine):
+    """allowed_token_ids that are all EOS or stop tokens while min_tokens holds those off leave no token: that
+    request ends with finish_reason error and says why (no token id outside the vocabulary, no failed step)."""
+    eos = engine.eos_token_ids[0]
+    alone = tokens(_greedy(engine, [11, 12, 13], "alone", max_tokens=12))
+    masked = {"greedy": SamplingParams(temperature=0.0, allowed_token_ids=[eos], min_tokens=3, max_tokens=5),
+              "sampled": SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[eos], min_tokens=3, max_tokens=5),
+              "logprobs": SamplingParams(temperature=1.0, logprobs=2, allowed_token_ids=[5], stop_token_ids=[5],
+                                         min_tokens=1, max_tokens=5)}
+    sinks = {"good": engine.add_request([11, 12, 13], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12),
+                                        request_id="good")}
+    sinks.update((rid, engine.add_request([11, 12, 13], params, request_id=rid)) for rid, params in masked.items())
+    outs = run_to_completion(engine, sinks)
+    assert tokens(outs["good"]) == alone and outs["good"][-1].finish_reason == "length"
+    for rid in masked:
+        assert tokens(outs[rid]) == [] and outs[rid][-1].finish_reason == "error", rid
+        assert outs[rid][-1].error.startswith("no token can be sampled"), outs[rid][-1].error
+    assert engine.engine_core.num_consecutive_failed_steps == 0
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(engine):
     full = text(_greedy(engine, [7, 8, 9], "full", max_tokens=40))
     stop = full[10:16]

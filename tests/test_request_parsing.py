@@ -49,6 +49,11 @@ def test_genai_perf_vllm_shape_parses_min_and_max_tokens():
     ({"seed": " 7 "}, ("seed", 7)),
     ({"frequency_penalty": "-1.5"}, ("frequency_penalty", -1.5)),
     ({"top_k": "-1"}, ("top_k", -1)),
+    ({"skip_special_tokens": "false"}, ("skip_special_tokens", False)),
+    ({"include_stop_str_in_output": "true"}, ("include_stop_str_in_output", True)),
+    ({"prompt_logprobs": "1"}, ("prompt_logprobs", 1)),
+    ({"truncate_prompt_tokens": "4"}, ("truncate_prompt_tokens", 4)),
+    ({"logit_bias": {"5": "-1.5"}}, ("logit_bias", {5: -1.5})),
 ])
 def test_numeric_and_boolean_strings_are_parsed(sampling, expected):
     params = parse_request(inputs(sampling_parameters=json.dumps(sampling)), {}).params
@@ -254,6 +259,33 @@ def test_request_parameters_carry_every_sampling_setting_and_bad_ones_are_refuse
                          ({"best_of": 5}, "best_of must be 1 or n")]:
         with pytest.raises(ValueError, match=message):
             parse_request(inputs(), bad)
+    # string-list settings: a JSON list's text is the list; any other text (JSON or not) is one string
+    for sent, stop in [('[" Paris", "END"]', [" Paris", "END"]), ("[END]", ["[END]"]), (" Paris", [" Paris"])]:
+        assert parse_request(inputs(), {"stop": sent}).params.stop == stop
+    assert parse_request(inputs(), {"stop_words": '["a", ""]', "bad_words": '["b"]'}).params.stop == ["a"]
+    assert parse_request(inputs(), {"bad_words": '["b", "c"]'}).params.bad_words == ["b", "c"]
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"temperature": 10**400}, "^temperature must be a finite number"),
+    ({"runtime_top_p": 10**400}, "^top_p must be a finite number.*sent as runtime_top_p"),
+    ({"logit_bias": {"5": 10**400}}, "^logit_bias must be a finite number"),
+    ({"len_penalty": -10**400}, "^len_penalty must be a finite number"),
+    ({"early_stopping": 5}, "^early_stopping must be true or false, got 5$"),
+    ({"return_log_probs": [1]}, "^return_log_probs must be true or false"),
+    ({"random_seed": 2**64}, "^random_seed must be in \\[0, 2\\*\\*64\\)"),
+])
+def test_values_no_field_can_hold_are_refused_by_name(sampling, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs(sampling_parameters=json.dumps(sampling)), {})
+
+
+def test_best_of_is_checked_against_n_from_any_source():
+    both = parse_request(inputs(n=2, sampling_parameters=json.dumps({"best_of": 2})), {}).params
+    assert both.n == 2
+    assert parse_request(inputs(num_return_sequences=3), {"best_of": "3"}).params.n == 3
+    with pytest.raises(ValueError, match="best_of must be 1 or n"):
+        parse_request(inputs(n=2, sampling_parameters=json.dumps({"best_of": 3})), {})
 
 
 def test_a_trtllm_guide_without_its_type_is_refused():

@@ -173,6 +173,7 @@ def test_tensorrt_llm_inputs_are_honoured(triton_server, version):
     ({"text_input": "hi", "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens must be an integer, got string 'many'"),
     ({"text_input": "hi", "end_id": 49152}, "end_id is 49152, outside the vocabulary [0, 49152)"),
     ({"text_input": "hi", "sampling_parameters": '{"stop_words": 5}'}, "stop_words must be a string or a list of strings"),
+    ({"text_input": "hi", "sampling_parameters": '{"allowed_token_ids": [2], "min_tokens": 3}'}, "no token can be sampled"),
 ])
 def test_tensorrt_llm_and_string_values_are_refused_by_name(triton_server, body, message):
     for version in ("1", "2"):
@@ -225,7 +226,7 @@ LIMITS = [
     ({"text_input": "hi", "sampling_parameters": '{"stop":' + "[" * 5000 + "]" * 5000 + "}"},
      "sampling_parameters nests 5001 levels deep"),
     ({"text_input": "hi", "id": "r" * 2**20}, "request id is 1048576 bytes; at most 256"),
-    ({"text_input": "hi", "max_tokens": 3_000_000_000}, "wraps around in Triton's conversion"),
+    ({"text_input": "hi", "max_tokens": 3_000_000_000}, "Triton's conversion wrapped it around"),
 ]
 
 

@@ -38,6 +38,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput, cpu_ops
+from backend.errors import REQUEST_ERROR_STARTS
 from backend.fan_in import Completion, FanIn
 from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
@@ -282,8 +283,9 @@ class TritonPythonModel:
             for out in coalesce([out for out in batch if out is not None]):
                 try:
                     self._send(out)
-                except Exception:
+                except Exception as exc:
                     log.exception("sending a response failed")
+                    self._end_unsent(out.request_id, exc)
             if stopping:
                 return
             now = time.monotonic()
@@ -292,6 +294,18 @@ class TritonPythonModel:
             if now >= metrics_due:
                 self.metrics.update(self.engine.stats(), self.num_responses)
                 metrics_due = None
+
+    def _end_unsent(self, request_id: str, exc: Exception) -> None:
+        """A request whose delta could not be sent is aborted and gets a final internal error, so that its
+        client is never left waiting (unless the failure was in sending its final response)."""
+        self.engine.abort(request_id)
+        with self.senders_lock:
+            state = self.inflight.pop(request_id, None)
+            if state is not None:
+                try:
+                    _send_error(state.sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+                except Exception:
+                    log.exception("sending the error response of request %s failed", request_id)
 
     def _send(self, out: RequestOutput) -> None:
         """Sends one (possibly merged) delta, under ``senders_lock``."""
@@ -306,8 +320,11 @@ class TritonPythonModel:
         if out.done:
             del self.inflight[out.request_id]
         if out.finish_reason == "error":
-            _send_error(state.sender, f"internal error: {out.error or 'generation failed'}",
-                        pb_utils.TritonError.INTERNAL)
+            if out.error and out.error.startswith(REQUEST_ERROR_STARTS):  # the request's own settings: its fault
+                _send_error(state.sender, out.error, pb_utils.TritonError.INVALID_ARG)
+            else:
+                _send_error(state.sender, f"internal error: {out.error or 'generation failed'}",
+                            pb_utils.TritonError.INTERNAL)
             if not out.done:  # other completions of this request may still stream: stop them
                 self.engine.abort(out.request_id)
                 self.inflight.pop(out.request_id, None)
