@@ -21,8 +21,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--rate", type=float, help="online arrival rate, requests/s (default 1.0; quick 3.0)")
     parser.add_argument("--concurrency", type=int,
                         help="requests in flight in the concurrent mode, a closed loop (default 16; quick 4)")
-    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all but llamacpp, "
-                                          f"which compiles llama.cpp on first use)")
+    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)} (default all but the peers "
+                                          f"vllm and llamacpp, which install vLLM or compile llama.cpp on first use)")
     parser.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)} (default all)")
     parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),

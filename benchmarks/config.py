@@ -11,8 +11,10 @@ import torch
 SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "vllm", "llamacpp", "ceiling",
            "prefix_cache")
 MODES = ("offline", "online", "concurrent")
-# llama.cpp runs only when asked for: its first use compiles it (10-20 minutes on 2 cores).
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "llamacpp")
+# The peers run only when asked for (`make bench-peers`): vLLM's first use installs it into a venv of its own,
+# llama.cpp's compiles it (10-20 minutes on 2 cores).
+PEER_SYSTEMS = ("vllm", "llamacpp")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in PEER_SYSTEMS)
 LLAMACPP_QUANTS = ("q8_0", "q4_0")
 # The HF baselines run one request or one batch at a time; a closed loop of N in flight is a serving workload.
 BASELINE_MODES = ("offline", "online")

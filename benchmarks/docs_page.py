@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/performance.md is out of date")
     args = parser.parse_args(argv)
     if args.add:
-        print("kept", keep(args.add[0], Path(args.add[1])))
+        try:
+            print("kept", keep(args.add[0], Path(args.add[1])))
+        except (OSError, ValueError) as exc:  # no such report, not JSON, or a name that is not a file name
+            parser.error(f"--add {args.add[0]} {args.add[1]}: {exc}")
     page = generate()
     if args.check:
         if PAGE.read_text() != page:

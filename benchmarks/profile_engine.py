@@ -48,6 +48,9 @@ def profile_engine(config: BenchConfig, steps: int, skip: int = 0) -> dict:
         profiler.disable()
         batches.append(engine.stats().last_step_num_scheduled)
     engine.shutdown()
+    if not batches:
+        raise ValueError(f"no step left to profile: the {len(workload.requests)} requests finished within --skip "
+                         f"{skip} steps of decode")
     stats = pstats.Stats(profiler)
     return {"steps": len(batches), "batch_sizes": batches, **_breakdown(stats), "text": _text(profiler)}
 
@@ -129,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="decode steps to run unprofiled first (default 0: profile at the largest batch)")
     parser.add_argument("--model")
     args = parser.parse_args(argv)
-    result = profile_engine(BenchConfig(num_requests=args.num_requests, seed=args.seed, model=args.model), args.steps, args.skip)
+    try:
+        result = profile_engine(BenchConfig(num_requests=args.num_requests, seed=args.seed, model=args.model),
+                                args.steps, args.skip)
+    except ValueError as exc:
+        parser.error(str(exc))
     batches = result["batch_sizes"]
     print(f"{result['steps']} decode steps at batch {min(batches)}-{max(batches)}, "
           f"{result['step_s'] / result['steps'] * 1e3:.1f} ms per step (under cProfile)\n")

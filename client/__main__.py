@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from client.llm_client import LLMClient, LLMError
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stats", action="store_true", help="print token counts and finish reason at the end")
     args = parser.parse_args(argv)
 
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        parser.error(f"--tokenizer {args.tokenizer}: no such directory")
     prompt = apply_chat_template(args.prompt, args.tokenizer) if args.chat else args.prompt
     sampling = dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                     top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

@@ -143,6 +143,18 @@ class LLMClient:
         """One non-streaming completion over HTTP ``generate``.
 
         Raises:
+            ValueError: ``n`` > 1 (:meth:`generate_all` returns every completion).
+            LLMError: the server answered with an error, or could not be reached (HTTP).
+        """
+        if (sampling.get("n") or 1) > 1:
+            raise ValueError("generate returns one completion; generate_all returns the n of an n > 1 request")
+        return self.generate_all(prompt, stop, exclude_input_in_output, **sampling)[0]
+
+    def generate_all(self, prompt: str, stop: list[str] | None = None, exclude_input_in_output: bool = True,
+                     **sampling) -> list[Delta]:
+        """Every completion of one non-streaming request over HTTP ``generate`` (``n`` of them), in ``index`` order.
+
+        Raises:
             LLMError: the server answered with an error, or could not be reached (HTTP).
         """
         body = self._http_body(prompt, stop, False, sampling)
@@ -150,8 +162,7 @@ class LLMClient:
         response = self._post("generate", body)
         if response.status_code != 200:
             raise LLMError(_http_error(response))
-        event = response.json()
-        return _delta(lambda name: _json_output(event, name))
+        return _completions(response.json())
 
     def _post(self, endpoint: str, body: dict, stream: bool = False) -> requests.Response:
         try:
@@ -187,6 +198,25 @@ def _delta(output) -> Delta:
                  num_output_tokens=_first_int(output("num_output_tokens")),
                  num_cached_tokens=_first_int(output("num_cached_tokens")),
                  index=_first_int(output("index")))
+
+
+def _completions(event: dict) -> list[Delta]:
+    """A non-streaming answer's completions: one ``text_output``, ``finish_reason`` and ``num_output_tokens`` per
+    completion, and ``output_ids`` holding their token ids one after another (docs/triton-api.md, Outputs)."""
+    texts = np.asarray(event.get("text_output", []), dtype=np.object_).reshape(-1)
+    reasons = np.asarray(event.get("finish_reason", [""] * len(texts)), dtype=np.object_).reshape(-1)
+    lengths = np.asarray(event.get("num_output_tokens", [0] * len(texts)), dtype=np.int64).reshape(-1)
+    indices = np.asarray(event.get("index", range(len(texts))), dtype=np.int64).reshape(-1)
+    ids = [int(t) for t in np.asarray(event.get("output_ids", []), dtype=np.int64).reshape(-1)]
+    ends = np.cumsum(lengths).tolist()
+    deltas = []
+    for i, text in enumerate(texts):
+        start = ends[i - 1] if i else 0
+        deltas.append(Delta(text=_as_text(text), token_ids=ids[start:ends[i]], finish_reason=str(reasons[i]) or None,
+                            num_input_tokens=_first_int(event.get("num_input_tokens")),
+                            num_output_tokens=int(lengths[i]),
+                            num_cached_tokens=_first_int(event.get("num_cached_tokens")), index=int(indices[i])))
+    return sorted(deltas, key=lambda d: d.index)
 
 
 def _first_int(value) -> int:

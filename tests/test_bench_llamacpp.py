@@ -75,7 +75,7 @@ def test_dtype_and_quantization_choices_are_checked():
     assert parse_args(["--systems", "engine,llamacpp", "--llamacpp-quant", "q8_0"]).llamacpp_quant == "q8_0"
     with pytest.raises(ValueError, match="llamacpp_quant"):
         BenchConfig(llamacpp_quant="q5_k")
-    assert "llamacpp" not in DEFAULT_SYSTEMS and "llamacpp" not in BenchConfig().systems
+    assert {"llamacpp", "vllm"}.isdisjoint(DEFAULT_SYSTEMS) and {"llamacpp", "vllm"}.isdisjoint(BenchConfig().systems)
 
 
 def test_gguf_cache_key_follows_the_model_directory_and_its_weights(tmp_path):

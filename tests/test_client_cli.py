@@ -25,3 +25,10 @@ def test_an_unreachable_server_is_one_line_and_status_1():
         assert run.returncode == 1, run.stderr
         assert run.stderr.startswith("error: ") and "Traceback" not in run.stderr, run.stderr
     assert f"cannot connect to http://127.0.0.1:{port}" in run.stderr or "UNAVAILABLE" in run.stderr
+
+
+def test_a_tokenizer_that_is_not_a_directory_is_refused_by_flag():
+    run = subprocess.run([sys.executable, "-m", "client", "hi", "--chat", "--tokenizer", "/nonexistent/tokenizer"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "--tokenizer /nonexistent/tokenizer: no such directory" in run.stderr

@@ -330,6 +330,13 @@ def test_parallel_sampling_streams_each_completion_and_generate_returns_all(clie
     assert both["index"] == [0, 1] and both["finish_reason"] == ["length", "length"]
     assert both["text_output"][0] == both["text_output"][1]  # greedy: completions of one prompt agree
     assert len(both["output_ids"]) == 10
+    # the client splits them back into completions, each its own text, ids and counts
+    streamed = {i: [t for d in ds for t in d.token_ids] for i, ds in by_index.items()}
+    whole = client.generate_all(PROMPT, n=3, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    assert [d.index for d in whole] == [0, 1, 2] and [d.token_ids for d in whole] == [streamed[i] for i in range(3)]
+    assert all(d.num_output_tokens == 6 and d.finish_reason == "length" and d.text for d in whole)
+    with pytest.raises(ValueError, match="generate_all"):
+        client.generate(PROMPT, n=2)
 
 
 def test_prefix_cache_hits_are_counted(client, triton_server):
