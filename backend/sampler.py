@@ -144,6 +144,7 @@ class Sampler:
         for i in rows:  # only requests that asked for penalties pay for them
             params = requests[i].params
             row = logits[i]
+            masked = torch.isneginf(row) if params.allowed_token_ids is not None else None
             output = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
             if params.repetition_penalty != 1.0:
                 seen = torch.tensor(requests[i].token_ids, dtype=torch.long).unique()
@@ -154,6 +155,8 @@ class Sampler:
                 counts = torch.bincount(output, minlength=row.shape[0]).to(row.dtype)
                 row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
             row.clamp_(-FLOAT_MAX, FLOAT_MAX)
+            if masked is not None:  # the clamp made them finite: tokens outside allowed_token_ids stay masked
+                row.masked_fill_(masked, float("-inf"))
         return logits
 
     @staticmethod

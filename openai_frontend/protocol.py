@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from backend.sampling_params import MAX_LOGPROBS
@@ -264,3 +265,17 @@ class ChatCompletionRequest(_Sampling):
                 item["content"] = "\n".join(parts)
             out.append(item)
         return out
+
+
+def chat_completion_request(**fields: Any) -> ChatCompletionRequest:
+    """A ChatCompletionRequest built from another route's body (``/tokenize``'s messages, a Responses request):
+    a field it refuses is the same 400 as when a client sends it to ``/v1/chat/completions`` (the app's handler
+    of RequestValidationError names the field).
+
+    Raises:
+        RequestValidationError: a field of the wrong type or shape.
+    """
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None

@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.errors import OpenAIError
-from openai_frontend.protocol import ChatCompletionRequest
+from openai_frontend.protocol import ChatCompletionRequest, chat_completion_request
 from openai_frontend.structured import JSON_SCHEMA_FIELDS
 from openai_frontend.tool_calls import unenforced_strict, unenforced_strict_error
 
@@ -103,7 +103,7 @@ class ResponsesRequest(BaseModel):
         if response_format is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
             raise _bad("tool_choice required or a named function constrains the reply; drop text.format", "text")
         stream_options = {"include_usage": True} if self.stream else None
-        return ChatCompletionRequest(
+        return chat_completion_request(
             model=self.model, messages=self._messages(), max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, stream=self.stream, stream_options=stream_options,
             tools=self._tools(), tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls,
@@ -117,7 +117,7 @@ class ResponsesRequest(BaseModel):
         for i, item in enumerate(items):
             where = f"input[{i}]"
             kind = item.get("type", "message")
-            if kind not in ITEM_KEYS:
+            if not isinstance(kind, str) or kind not in ITEM_KEYS:
                 raise _bad(f"{where}.type {kind!r} is not supported: send message, function_call or "
                            "function_call_output items", f"{where}.type", "unsupported_parameter")
             for key in item:
@@ -126,7 +126,7 @@ class ResponsesRequest(BaseModel):
                                "unsupported_parameter")
             if kind == "message":
                 role = item.get("role")
-                if role not in ROLES:
+                if not isinstance(role, str) or role not in ROLES:
                     raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}",
                                f"{where}.role")
                 messages.append({"role": ROLES[role], "content": _text(item.get("content"), f"{where}.content")})
@@ -191,8 +191,11 @@ class ResponsesRequest(BaseModel):
         for key, value in text.items():
             if value is not None:
                 raise _bad(f"text.{key} is not supported", f"text.{key}", "unsupported_parameter")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise _bad(f"text.format must be an object with a type, got {fmt!r:.80}", "text.format")
         kind = "text" if fmt is None else fmt.get("type")
-        known = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", *JSON_SCHEMA_FIELDS}}.get(kind)
+        known = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", *JSON_SCHEMA_FIELDS}}.get(
+            kind if isinstance(kind, str) else None)
         if known is None:
             raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format.type")
         unknown = sorted(set(fmt or {}) - known)
@@ -219,7 +222,7 @@ def _text(content, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PART_KEYS:
+        if not isinstance(kind, str) or kind not in TEXT_PART_KEYS:
             raise _bad(f"{where}[{j}].type {kind!r} is not supported: only input_text and output_text parts",
                        f"{where}[{j}].type", "unsupported_parameter")
         if set(part) - TEXT_PART_KEYS[kind] or not isinstance(part.get("text"), str):

@@ -31,7 +31,7 @@ def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, 
             without a ``name`` or a schema object, a ``json_object`` schema that is not an object, or both fields.
     """
     kind = "text" if response_format is None else response_format.get("type")
-    if kind not in FORMAT_FIELDS:
+    if not isinstance(kind, str) or kind not in FORMAT_FIELDS:
         raise OpenAIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
                           "invalid_value", "response_format")
     unknown = sorted(set(response_format or {}) - FORMAT_FIELDS[kind])

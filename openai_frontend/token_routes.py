@@ -19,7 +19,7 @@ from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError
 from openai_frontend.limits import json_response, max_model_len, render_token_ids
 from openai_frontend.models import resolve, tokenizer_for
-from openai_frontend.protocol import ChatCompletionRequest
+from openai_frontend.protocol import chat_completion_request
 from openai_frontend.tool_calls import ToolChoice
 from openai_frontend.triton_stream import TritonLLM
 
@@ -64,16 +64,18 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
     async def tokenize(body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "send prompt or messages, exactly one of them", "invalid_value", "prompt")
-        tok, name, version = await tokenizer(body.model)
-        limit = max_model_len(config.model_repository, name, version)
-        if body.messages is not None:
-            chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
-                                         chat_template=body.chat_template,
-                                         chat_template_kwargs=body.chat_template_kwargs,
-                                         add_generation_prompt=body.add_generation_prompt,
-                                         continue_final_message=body.continue_final_message)
+        chat = tools = None
+        if body.messages is not None:  # checked as /v1/chat/completions checks them, before the model is looked up
+            chat = chat_completion_request(model=body.model, messages=body.messages, tools=body.tools,
+                                           chat_template=body.chat_template,
+                                           chat_template_kwargs=body.chat_template_kwargs,
+                                           add_generation_prompt=body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message)
             chat.check()
             tools = ToolChoice.from_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        tok, name, version = await tokenizer(body.model)
+        limit = max_model_len(config.model_repository, name, version)
+        if chat is not None:
             prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools,
                                              config.trust_request_chat_template, body.add_special_tokens)
         else:

@@ -115,7 +115,8 @@ class ToolChoice:
         if strict is not None:
             raise unenforced_strict_error(f"tools[{strict}].function.strict")
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
             if choice.get("type") != "function" or not isinstance(name, str):
                 raise OpenAIError(400, 'tool_choice must be none, auto, required or {"type": "function", '
                                   '"function": {"name": ...}}', "invalid_value", "tool_choice")

@@ -479,7 +479,9 @@ def test_settings_that_mask_every_token_end_that_request_alone_with_a_clear_erro
     masked = {"greedy": SamplingParams(temperature=0.0, allowed_token_ids=[eos], min_tokens=3, max_tokens=5),
               "sampled": SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[eos], min_tokens=3, max_tokens=5),
               "logprobs": SamplingParams(temperature=1.0, logprobs=2, allowed_token_ids=[5], stop_token_ids=[5],
-                                         min_tokens=1, max_tokens=5)}
+                                         min_tokens=1, max_tokens=5),
+              "penalized": SamplingParams(temperature=0.0, allowed_token_ids=[eos], min_tokens=3, max_tokens=5,
+                                          repetition_penalty=1.2, presence_penalty=1.0)}
     sinks = {"good": engine.add_request([11, 12, 13], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12),
                                         request_id="good")}
     sinks.update((rid, engine.add_request([11, 12, 13], params, request_id=rid)) for rid, params in masked.items())

@@ -200,7 +200,11 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
           ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "needs json_schema.name"),
           ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}},
            "json_schema has unknown field(s) bogus"),
-          ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "foo": 1}, "takes no foo")]],
+          ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "foo": 1}, "takes no foo"),
+          ({"type": ["json_object"]}, "type must be text, json_object or json_schema, got ['json_object']")]],
+    *[({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": function}}, "tool_choice", "tool_choice must be none, auto")
+      for function in ("f", [1], 5)],
 ])
 def test_chat_requests_that_would_be_silently_misread_are_400_naming_the_field(frontend, body, param, message):
     response = requests.post(f"{frontend}/v1/chat/completions", json={"model": "llm", **body}, headers=AUTH,
@@ -227,12 +231,30 @@ def test_a_completion_prompt_of_no_accepted_shape_is_400_listing_the_shapes(fron
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "bogus": 1}}}, "text.format",
      "takes no bogus"),
     ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format", "takes no schema"),
+    ({"text": {"format": "json_object"}}, "text.format", "text.format must be an object with a type"),
+    ({"text": {"format": {"type": ["json_object"]}}}, "text.format.type", "must be text, json_object or json_schema"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, "input[0].role", "must be user, system, developer or assistant"),
+    ({"input": [{"type": ["message"], "role": "user", "content": "hi"}]}, "input[0].type", "is not supported"),
+    ({"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]}, "input[0].content[0].type",
+     "is not supported"),
 ])
 def test_responses_requests_that_would_be_silently_misread_are_400_naming_the_field(frontend, body, param, message):
     response = requests.post(f"{frontend}/v1/responses", json={"model": "llm", "input": "hi", **body}, headers=AUTH,
                              timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"content": "Hi"}], "messages.0.role"), ([{"role": 5}], "messages.0.role"),
+    ([{"role": "user", "content": 5}], "messages.0.content"),
+])
+def test_tokenize_refuses_messages_as_chat_does(frontend, messages, param):
+    for route in ("/tokenize", "/v1/chat/completions"):
+        response = requests.post(f"{frontend}{route}", json={"model": "llm", "messages": messages}, headers=AUTH,
+                                 timeout=30)
+        assert response.status_code == 400, (route, response.text)
+        assert response.json()["error"]["param"].startswith(param), (route, response.json())  # + a union's member
 
 
 def test_assistant_turns_without_content_render_and_strict_tools_pass_where_enforced(frontend, tokenizer):
