@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -104,7 +105,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = str(exc.detail)
         if exc.status_code == 400 and message == "There was an error parsing the body":  # Starlette's words
-            message = "the body could not be read as JSON: it is not valid UTF-8, or it nests too deeply"
+            message = ("the body could not be read as JSON: it is not valid UTF-8, or it nests too deeply, or it "
+                       f"holds an integer of over {sys.get_int_max_str_digits()} digits")
         return JSONResponse(OpenAIError(exc.status_code, message, code).body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 

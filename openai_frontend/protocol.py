@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from backend.sampling_params import MAX_LOGPROBS
+from serve.request_parsing import INT32_MAX
 from openai_frontend.errors import OpenAIError
 from openai_frontend.structured import structured_outputs
 
@@ -215,8 +216,8 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                               "invalid_value", "top_logprobs")
-        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise OpenAIError(400, f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+        if self.max_completion_tokens is not None and not 1 <= self.max_completion_tokens <= INT32_MAX:
+            raise OpenAIError(400, f"max_completion_tokens must be in [1, {INT32_MAX}], got {self.max_completion_tokens}",
                               "invalid_value", "max_completion_tokens")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")

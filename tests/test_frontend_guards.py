@@ -173,7 +173,9 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      "top_logprobs must be in [0, 20]"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}, "max_completion_tokens",
-     "at least 1"),
+     "must be in [1, 2147483647], got -5"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2**70}, "max_completion_tokens",
+     "must be in [1, 2147483647], got 1180591620717411303424"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
      "stream_options", "only taken with stream true"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
@@ -453,12 +455,14 @@ def test_a_body_that_is_not_json_is_a_400_that_says_why(frontend):
     assert form.status_code == 400
     assert form.json()["error"]["message"] == ("the body must be a JSON object sent with Content-Type: "
                                                "application/json (got application/x-www-form-urlencoded)")
-    for body in (b'{"model": "llm", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):  # not UTF-8; too deep
+    for body in (b'{"model": "llm", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000,  # not UTF-8; too deep
+                 b'{"model": "llm", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"):  # past int's digit limit
         response = requests.post(f"{frontend}/v1/completions", data=body,
                                  headers={**AUTH, "Content-Type": "application/json"}, timeout=10)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "invalid_request"
-        assert "not valid UTF-8, or it nests too deeply" in response.json()["error"]["message"]
+        assert "not valid UTF-8, or it nests too deeply, or it holds an integer of over 4300 digits" in \
+            response.json()["error"]["message"]
     empty = requests.post(f"{frontend}/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
                           timeout=10)
     assert empty.status_code == 400 and empty.json()["error"]["message"] == (
