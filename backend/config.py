@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 # The longest schema a request may be allowed: with JSON's escapes it still fits the model's sampling_parameters
 # input (serve.request_parsing.MAX_SAMPLING_PARAMETERS_BYTES).
 MAX_SCHEMA_BYTES_SETTING = 128 * 1024
+
+
+# Settings that hold text (the model directory and the ZeroMQ endpoints may also be None).
+STRING_SETTINGS = ("model", "dtype", "device", "attention_backend", "model_impl", "cpu_threads_bind",
+                   "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_encoding",
+                   "cuda_graphs", "model_runner", "quantization")
+OPTIONAL_STRING_SETTINGS = ("model", "kv_events_endpoint", "kv_events_replay_endpoint")
+MAX_NUM_THREADS = 1024  # torch keeps a thread count it cannot start; past this, a typo rather than a machine
+MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM's sizes are 1-256); a larger one is a typo, not a layout
 
 
 @dataclass
@@ -139,12 +150,18 @@ class EngineConfig:
     prompt_lookup_max: int = 5
 
     def __post_init__(self) -> None:
+        for name in STRING_SETTINGS:
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (value is None and name in OPTIONAL_STRING_SETTINGS):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__} {value!r:.80}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r:.80}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         if self.cpu_threads_bind not in ("auto", "off"):
-            from backend.cpu_threads import parse_cpu_list
+            from backend.cpu_threads import plan_binding
 
-            parse_cpu_list(self.cpu_threads_bind)
+            plan_binding(self.cpu_threads_bind, 0)  # a malformed list, or CPUs this process may not use
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.model_impl not in ("auto", "transformers"):
@@ -212,6 +229,9 @@ class EngineConfig:
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
+        for name, most in (("num_threads", MAX_NUM_THREADS), ("block_size", MAX_BLOCK_SIZE)):
+            if getattr(self, name) is not None and getattr(self, name) > most:
+                raise ValueError(f"{name} must be at most {most}, got {getattr(self, name)}")
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> "EngineConfig":
@@ -299,3 +319,18 @@ def _parse(key: str, raw: object, annotation: str) -> object:
 def _require_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def read_settings_file(path: Path) -> dict[str, object]:
+    """A JSON object of engine settings (a model version's ``engine.json``), for :meth:`EngineConfig.from_dict`.
+
+    Raises:
+        ValueError: naming the file, when it is not JSON or not an object.
+    """
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} must hold a JSON object of engine settings, got {type(settings).__name__}")
+    return settings

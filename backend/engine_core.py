@@ -85,6 +85,11 @@ class EngineCore:
         cpu_threads = None
         if attn_backend is not None and attn_backend.uses_cpu_ops:  # pinning goes through the CPU kernels' extension
             cpu_threads = plan_binding(config.cpu_threads_bind, torch.get_num_threads())
+        elif config.cpu_threads_bind not in ("auto", "off"):
+            raise ValueError(f"cpu_threads_bind {config.cpu_threads_bind!r} pins threads through the C++ CPU kernels, "
+                             f"which this engine does not run (attention backend "
+                             f"{getattr(attn_backend, 'name', None) or config.attention_backend}, model runner "
+                             f"{config.model_runner}): use auto or off")
         if config.model_runner == "zero_cost":  # benchmarks of everything but the forward pass
             self.model_runner = ZeroCostModelRunner(model.config.vocab_size)
         else:

@@ -44,3 +44,11 @@ def _read_int(path: Path) -> int | None:
         return int(path.read_text().strip())  # "max" (cgroup v2: no limit) is not an int
     except (OSError, ValueError):
         return None
+
+
+def total_bytes() -> int | None:
+    """The host's physical memory in bytes (None where the OS does not say): no allocation can be larger."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

@@ -121,6 +121,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.max_model_len)  # checked before tokenizing
         num_blocks = config.num_blocks or self._blocks_from_memory(model)
+        self._check_pool_fits(model, num_blocks)
         attn_backend = None  # the zero-cost runner runs no model
         if config.model_runner == "default":
             attn_backend = select_attention_backend(config.attention_backend, model.device, model.dtype,
@@ -465,6 +466,23 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes each)")
         return num_blocks
+
+
+    def _check_pool_fits(self, model, num_blocks: int) -> None:
+        """Refuses a KV pool larger than the host's whole memory (CPU): the allocation could only fail, or the
+        machine swap; named as the setting that asked for it.
+
+        Raises:
+            ValueError: naming ``num_blocks`` or ``kv_cache_memory_bytes`` and the sizes.
+        """
+        if model.device.type != "cpu":
+            return  # the CUDA allocator's own error names the bytes
+        size = num_blocks * kv_bytes_per_block(model.config, self.config.block_size, next(model.parameters()).dtype)
+        total = host_memory.total_bytes()
+        if total is not None and size > total:
+            setting = "num_blocks" if self.config.num_blocks else "kv_cache_memory_bytes"
+            raise ValueError(f"{setting} asks for a KV cache of {size} bytes ({num_blocks} blocks of "
+                             f"{self.config.block_size} tokens), more than this machine's {total} bytes of memory")
 
 
 def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import logging
+import re
 import sys
 import time
 import uuid
@@ -68,6 +69,9 @@ class FrontendConfig:
     trust_request_chat_template: bool = False
 
 
+# pydantic names the member of a union it tried in an error's location (messages.0.content.str): not a field
+_UNION_MEMBER = re.compile(r"str|int|float|bool|none|[a-z-]+\[.*\]")
+
 def create_app(config: FrontendConfig) -> FastAPI:
     triton = TritonLLM(config.triton_url, config.model_repository)
 
@@ -113,7 +117,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        param = ".".join(str(p) for p in first.get("loc", ())[1:] if not _UNION_MEMBER.fullmatch(str(p))) or None
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"

@@ -423,6 +423,41 @@ def test_stream_interval_must_be_positive():
         EngineConfig(stream_interval=0)
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(enable_prefix_caching="false"), "^enable_prefix_caching must be true or false, got 'false'$"),
+    (dict(cpu_threads_bind=5), "^cpu_threads_bind must be a string, got int 5$"),
+    (dict(model=123), "^model must be a string, got int 123$"),
+    (dict(kv_events_topic=5), "^kv_events_topic must be a string"),
+    (dict(num_threads=10**6), "^num_threads must be at most 1024, got 1000000$"),
+    (dict(block_size=10**9), "^block_size must be at most 1024"),
+    (dict(cpu_threads_bind="4096"), "names CPUs outside this process's"),
+])
+def test_engine_settings_of_the_wrong_type_or_size_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_an_engine_json_that_is_not_an_object_is_refused_naming_the_file(tmp_path):
+    from backend.config import read_settings_file
+
+    path = tmp_path / "engine.json"
+    for text, message in [("[1, 2]", "must hold a JSON object of engine settings, got list"),
+                          ("null", "got NoneType"), ('{"max_num_seqs": 4,}', "is not valid JSON: Expecting")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"^{path}.*{message}"):
+            read_settings_file(path)
+    path.write_text('{"max_num_seqs": 4}')
+    assert EngineConfig.from_dict(read_settings_file(path)).max_num_seqs == 4
+
+
+def test_settings_that_would_do_nothing_or_cannot_be_allocated_stop_the_engine(make_engine, tiny_model_dir):
+    with pytest.raises(ValueError, match="cpu_threads_bind '0' pins threads through the C\\+\\+ CPU kernels, which this "
+                                         "engine does not run"):
+        make_engine(tiny_model_dir, attention_backend="torch", cpu_threads_bind="0")
+    with pytest.raises(ValueError, match="^kv_cache_memory_bytes asks for a KV cache of .* more than this machine's"):
+        make_engine(tiny_model_dir, num_blocks=None, kv_cache_memory_bytes=10**15)
+
+
 def test_empty_settings_mean_the_defaults_and_typed_values_must_have_the_settings_type():
     import dataclasses
 

@@ -38,6 +38,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import EngineConfig, EngineUnavailableError, LLMEngine, RequestOutput, cpu_ops
+from backend.config import read_settings_file
 from backend.errors import REQUEST_ERROR_STARTS
 from backend.fan_in import Completion, FanIn
 from backend.outputs import coalesce
@@ -81,7 +82,7 @@ class TritonPythonModel:
         settings = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         overrides = Path(args["model_repository"]) / args["model_version"] / "engine.json"
         if overrides.exists():
-            settings.update(json.loads(overrides.read_text(encoding="utf-8")))
+            settings.update(read_settings_file(overrides))
         metric_options = pop_metric_settings(settings)
         drain_grace_s = pop_grace(settings)
         self.engine = LLMEngine(EngineConfig.from_dict(settings))
