@@ -467,7 +467,6 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes each)")
         return num_blocks
 
-
     def _check_pool_fits(self, model, num_blocks: int) -> None:
         """Refuses a KV pool larger than the host's whole memory (CPU): the allocation could only fail, or the
         machine swap; named as the setting that asked for it.

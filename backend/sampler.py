@@ -13,7 +13,7 @@ from backend.structured_output.grammar import apply_grammar_bitmask
 
 FLOAT_MAX = torch.finfo(torch.float32).max
 # The pick of a row whose request's own masks (allowed_token_ids, min_tokens, bad words, its grammar) leave no
-# token: the scheduler ends that request with NO_TOKEN_MESSAGE (its batch mates are untouched).
+# token: the engine core ends that request with NO_TOKEN_MESSAGE (its batch mates are untouched).
 NO_TOKEN = -1
 
 
