@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,8 @@ class EngineConfig:
     prompt_lookup_max: int = 5
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path names the directory as its text does
+            self.model = os.fspath(self.model)
         for name in STRING_SETTINGS:
             value = getattr(self, name)
             if not isinstance(value, str) and not (value is None and name in OPTIONAL_STRING_SETTINGS):

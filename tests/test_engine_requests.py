@@ -435,6 +435,9 @@ def test_stream_interval_must_be_positive():
 def test_engine_settings_of_the_wrong_type_or_size_are_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+    from pathlib import Path
+
+    assert EngineConfig(model=Path("/models/x")).model == "/models/x"  # a path is its text
 
 
 def test_an_engine_json_that_is_not_an_object_is_refused_naming_the_file(tmp_path):
