@@ -11,7 +11,8 @@ The key comes from ``TRITON_ADMIN_KEY``, else the file named by ``TRITON_ADMIN_K
 random one per start; every caller inside the launcher (drain, stub reload) sends it in the HTTP header
 ``triton-admin-key`` (a gRPC client sends it as ``triton-grpc-protocol-triton-admin-key``: Triton's gRPC
 server prefixes the name it checks with ``triton-grpc-protocol-``). A request without it, or with another
-value, gets HTTP 403 or gRPC UNAVAILABLE ("This API is restricted"). The model's own unload on engine death
+value, gets HTTP 403 ("This API is restricted") or gRPC UNAVAILABLE ("This protocol is restricted, expecting
+header 'triton-grpc-protocol-triton-admin-key'"). The model's own unload on engine death
 (``serve.health``) goes through the Python backend's in-process call, not through HTTP or gRPC, and needs no
 key.
 """
