@@ -503,9 +503,11 @@ def test_picker_and_adapter_metrics_exist_once_per_pod_and_follow_the_load(repli
 
     def generate(i: int) -> None:
         requests.post(f"{busy['openai_url']}/v1/completions", timeout=300,
-                      json={"model": "llm", "prompt": f"Write a long story number {i}.", "max_tokens": 16,
+                      json={"model": "llm", "prompt": f"Write a long story number {i}.", "max_tokens": 96,
                             "temperature": 0, "ignore_eos": True})
 
+    # Long enough that two run together through several of the model's metric updates (at most every 0.2 s) on a
+    # fast machine too: with 16 tokens each, a pair ran together for less than one update.
     workers = [threading.Thread(target=generate, args=(i,)) for i in range(5)]
     for worker in workers:
         worker.start()
