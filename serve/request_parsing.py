@@ -42,8 +42,9 @@ TRTLLM_INPUTS: dict[str, type] = {
 TRTLLM_LIST_INPUTS = ("stop_words", "bad_words")
 # Scheduling inputs (not sampling): ParsedRequest.priority (lower first) and .timeout_ms (a deadline).
 SCHEDULING_INPUTS: dict[str, type] = {"priority": int, "timeout_ms": int}
-# SamplingParams fields that are not inputs but, like them, may come as strings in sampling_parameters or as
-# request parameters (``{"prompt_logprobs": "1"}``), with the Python type each must become.
+# Fields that are not inputs but, like them, may come as strings in sampling_parameters or as request parameters
+# (``{"prompt_logprobs": "1"}``), with the Python type each must become: SamplingParams fields, and best_of (a vLLM
+# request field, checked against n and then dropped).
 OTHER_SCALAR_FIELDS: dict[str, type] = {"prompt_logprobs": int, "truncate_prompt_tokens": int,
                                         "skip_special_tokens": bool, "include_stop_str_in_output": bool,
                                         "best_of": int}

@@ -710,6 +710,37 @@ inline void amx_scores(const bf16* keys, int64_t stride_bytes, const bf16* qtile
   _tile_stored(1, s + 256, 64);
 }
 
+// The online softmax of one 16 x 16 score tile (`scores`: the two k-step halves of `amx_scores`), one lane per
+// score-tile column: rows are keys (the first n), columns query vectors. `valid[r]` (MASKED only) marks the columns
+// that may see key r; the others get a probability of exactly 0 and, where no key of the tile is theirs, keep their
+// maximum (rescale 1). Writes p (n rows of 16) and alpha (the rescale of the accumulators) and advances maxima
+// and sums. A column must have seen a key before (or in) its first tile, so that its maximum is finite.
+template <bool MASKED>
+inline void amx_column_softmax(const float* scores, int n, float scale, const __mmask16* valid, __m512& maxima,
+                               __m512& sums, float* p, float* alpha) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 rows[16];
+  __m512 tile_max = neg_inf;
+  for (int r = 0; r < n; ++r) {
+    rows[r] = _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(scores + 16 * r), _mm512_load_ps(scores + 256 + 16 * r)),
+                            _mm512_set1_ps(scale));
+    if constexpr (MASKED) rows[r] = _mm512_mask_mov_ps(neg_inf, valid[r], rows[r]);
+    tile_max = _mm512_max_ps(tile_max, rows[r]);
+  }
+  const __m512 m = _mm512_max_ps(maxima, tile_max);
+  const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(maxima, m));
+  __m512 tile_sum = _mm512_setzero_ps();
+  for (int r = 0; r < n; ++r) {
+    __m512 e = exp_nonpositive16(_mm512_sub_ps(rows[r], m));
+    if constexpr (MASKED) e = _mm512_maskz_mov_ps(valid[r], e);
+    tile_sum = _mm512_add_ps(tile_sum, e);
+    _mm512_store_ps(p + 16 * r, e);
+  }
+  maxima = m;
+  sums = _mm512_fmadd_ps(sums, rescale, tile_sum);
+  _mm512_store_ps(alpha, rescale);
+}
+
 // P x V for `NG` query heads of one KV head: acc (NG x C vectors, even / odd dimensions as in attend_tile) scaled by
 // alpha, then += p[i][col0 + g] * v_i for the tile's n tokens.
 template <int D, int NG>
@@ -797,25 +828,7 @@ void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf
           for (int64_t b = 0; b < row_bytes; b += 64) { __builtin_prefetch(kp + b, 0, 1); __builtin_prefetch(vp + b, 0, 1); }
         }
         const int64_t first_row = tile_row(t0);
-        // online softmax, one lane per query head, rows past the tile's end left out
-        __m512 rows[16];
-        __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int r = 0; r < n; ++r) {
-          rows[r] = _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(tile_scores + 16 * r), _mm512_load_ps(tile_scores + 256 + 16 * r)),
-                                  _mm512_set1_ps(scale));
-          tile_max = _mm512_max_ps(tile_max, rows[r]);
-        }
-        const __m512 m = _mm512_max_ps(maxima, tile_max);
-        const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(maxima, m));
-        __m512 tile_sum = _mm512_setzero_ps();
-        for (int r = 0; r < n; ++r) {
-          const __m512 e = exp_nonpositive16(_mm512_sub_ps(rows[r], m));
-          tile_sum = _mm512_add_ps(tile_sum, e);
-          _mm512_store_ps(p + 16 * r, e);
-        }
-        maxima = m;
-        sums = _mm512_fmadd_ps(sums, rescale, tile_sum);
-        _mm512_store_ps(alpha, rescale);
+        amx_column_softmax<false>(tile_scores, n, scale, nullptr, maxima, sums, p, alpha);  // one lane per query head
         const bf16* value_rows[16];
         for (int r = 0; r < n; ++r) value_rows[r] = value_cache + first_row + r * row_stride;
         for (int64_t kh = 0; kh < heads_per_task; ++kh)
@@ -1196,30 +1209,9 @@ void amx_prefill_kernel(bf16* out, const bf16* q, int64_t q_row_stride, const bf
         const int n = static_cast<int>(std::min<int64_t>(16, keys - t0));
         const int64_t first_row = (table[t0 / block_size] * block_size + t0 % block_size) * row_stride + kv_head * D;
         amx_scores<D>(key_cache + first_row, stride_bytes, reinterpret_cast<const bf16*>(qtiles), STEPS, scores);
-        __m512 rows[16];
-        __mmask16 valid[16];
-        __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int r = 0; r < n; ++r) {
-          valid[r] = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(static_cast<int>(t0 + r)));
-          rows[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid[r],
-                                       _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(scores + 16 * r),
-                                                                   _mm512_load_ps(scores + 256 + 16 * r)),
-                                                     _mm512_set1_ps(scale)));
-          tile_max = _mm512_max_ps(tile_max, rows[r]);
-        }
-        // Every column sees key 0, so after the first tile its maximum is finite; a column past its limit in
-        // this tile keeps its maximum (rescale 1) and gets probabilities of exactly 0.
-        const __m512 m = _mm512_max_ps(maxima, tile_max);
-        const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(maxima, m));
-        __m512 tile_sum = _mm512_setzero_ps();
-        for (int r = 0; r < n; ++r) {
-          const __m512 e = _mm512_maskz_mov_ps(valid[r], exp_nonpositive16(_mm512_sub_ps(rows[r], m)));
-          tile_sum = _mm512_add_ps(tile_sum, e);
-          _mm512_store_ps(p + 16 * r, e);
-        }
-        maxima = m;
-        sums = _mm512_fmadd_ps(sums, rescale, tile_sum);
-        _mm512_store_ps(alpha, rescale);
+        __mmask16 valid[16];  // the causal limit; every column sees key 0, so its maximum is finite from tile one
+        for (int r = 0; r < n; ++r) valid[r] = _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(static_cast<int>(t0 + r)));
+        amx_column_softmax<true>(scores, n, scale, valid, maxima, sums, p, alpha);
         const bf16* value_rows[16];
         for (int r = 0; r < n; ++r) value_rows[r] = value_cache + first_row + r * row_stride;
         amx_pv_group<D>(count, value_rows, 0, p, alpha, 0, n, acc);
