@@ -71,6 +71,8 @@ def spread(runs: list[dict]) -> dict:
         if run["system"] != "ceiling":
             entry = out.setdefault(run["mode"], {}).setdefault(run["system"], {"tokens_per_s": []})
             entry["tokens_per_s"].append(run["output_tokens_per_s"])
+            if run.get("machine_gflops_before"):  # the machine's own matmul rate right before the run
+                entry.setdefault("machine_gflops_before", []).append(run["machine_gflops_before"])
     for systems in out.values():
         for entry in systems.values():
             values = entry["tokens_per_s"]
@@ -310,14 +312,30 @@ PAGE_RATIOS = ("engine_vs_vllm", "server_vs_vllm", "engine_vs_llamacpp", "server
 
 
 def spread_table(report: dict) -> list[str]:
-    """Markdown lines: each system's tokens/s round by round, median and spread (:func:`spread`)."""
+    """Markdown lines: each system's tokens/s round by round, median and spread (:func:`spread`), and, where the
+    runs sampled it (:mod:`benchmarks.steadiness`), the machine's matmul rate before each round."""
     rounds = _num_rounds(report["runs"])
-    lines = ["| System | Mode | Tokens/s by round | Median | Spread (max - min) / median |", "|---|---|---|---:|---:|"]
-    for mode, systems in report.get("spread", {}).items():
-        for system, entry in systems.items():
-            spread_text = "n/a" if entry["spread_pct"] is None else f"{entry['spread_pct']:.0f}%"
-            lines.append(f"| {LABELS[system]} | {mode} | {', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])} | "
-                         f"{entry['median']:.1f} | {spread_text} |")
+    entries = [(mode, system, entry) for mode, systems in report.get("spread", {}).items()
+               for system, entry in systems.items()]
+    probes = [p for _, _, entry in entries for p in entry.get("machine_gflops_before", [])]
+    lines = ["| System | Mode | Tokens/s by round | Median | Spread (max - min) / median |"
+             + (" Machine matmul GFLOP/s before each round (min-max) |" if probes else ""),
+             "|---|---|---|---:|---:|" + ("---|" if probes else "")]
+    for mode, system, entry in entries:
+        spread_text = "n/a" if entry["spread_pct"] is None else f"{entry['spread_pct']:.0f}%"
+        line = (f"| {LABELS[system]} | {mode} | {', '.join(f'{v:.1f}' for v in entry['tokens_per_s'])} | "
+                f"{entry['median']:.1f} | {spread_text} |")
+        if probes:
+            before = entry.get("machine_gflops_before", [])
+            line += " " + ", ".join(f"{p['min']:.0f}-{p['max']:.0f}" for p in before) + " |"
+        lines.append(line)
+    if probes:
+        low, high = min(p["min"] for p in probes), max(p["max"] for p in probes)
+        median = statistics.median(p["median"] for p in probes)
+        lines += ["", f"The machine itself: a {probes[0]['n']}^3 {probes[0]['dtype']} matmul on the run's threads, "
+                      f"sampled for {probes[0]['seconds']:g} s before each run, ran at {low:.0f}-{high:.0f} GFLOP/s "
+                      f"(median of the runs' medians {median:.0f}; spread {100 * (high - low) / median:.0f}%): a "
+                      f"machine whose own rate moves this much moves every system's figures too."]
     if rounds < MIN_ROUNDS_FOR_SPREAD:
         lines += ["", f"{rounds} round(s): the spread needs at least {MIN_ROUNDS_FOR_SPREAD} "
                       f"(`--rounds {MIN_ROUNDS_FOR_SPREAD}`); a single figure here may be off by the machine's "

@@ -124,6 +124,7 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
     """Builds ``name``, runs it once per mode, closes it; its summaries (``round`` set), or none with the reason in
     ``skipped``."""
     log.info("%s: starting%s", name, f" (round {round_index + 1} of {config.rounds})" if config.rounds > 1 else "")
+    probe = _probe_machine(config) if config.rounds > 1 else None
     try:
         system = _build(name, config, model_dir, workload, pad)
     except Exception as exc:  # e.g. no tritonserver here: say so and go on
@@ -137,6 +138,8 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
             load_before = load_average()
             summary = summarize(system.run(requests, mode))
             summary.update(loadavg_before=load_before, loadavg_after=load_average(), round=round_index)
+            if probe is not None:
+                summary["machine_gflops_before"] = probe
             if len(requests.requests) < len(workload.requests):
                 summary["notes"].append(f"{mode}: ran the first {len(requests.requests)} of "
                                         f"{len(workload.requests)} requests (by arrival); figures are over "
@@ -151,6 +154,19 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
         del system
         gc.collect()
     return runs
+
+
+def _probe_machine(config: BenchConfig) -> dict:
+    """The machine's matmul rate right before a round's run (:mod:`benchmarks.steadiness`), with nothing else of
+    ours running; torch's thread count is left at the run's."""
+    from backend.config import resolve_dtype
+    from benchmarks.steadiness import PROBE_N, PROBE_SECONDS, sample_gemm_rate, summarize_rates
+
+    dtype = resolve_dtype(config.dtype, "cpu")
+    rates = summarize_rates(sample_gemm_rate(dtype, config.threads, seconds=PROBE_SECONDS))
+    log.info("machine before the run: %s matmul %.0f-%.0f GFLOP/s (median %.0f)", dtype, rates["min"], rates["max"],
+             rates["median"])
+    return {**rates, "dtype": dtype, "n": PROBE_N, "seconds": PROBE_SECONDS}
 
 
 def max_model_len(model_dir: str) -> int:

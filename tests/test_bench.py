@@ -231,8 +231,11 @@ def test_prefix_cache_section_is_consistent(report):
     assert "## Prefix caching" in (Path(report["files"][1])).read_text()
 
 
-def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ratio(tiny_model_dir, tmp_path):
+def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ratio(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
     from benchmarks.runner import run_benchmark
+
+    monkeypatch.setattr("benchmarks.steadiness.PROBE_SECONDS", 0.2)  # the machine probe's minimum samples suffice
 
     config = tiny_config(tiny_model_dir, tmp_path, systems=("static", "engine"), modes=("offline",), rounds=3)
     report = run_benchmark(config)
@@ -250,6 +253,15 @@ def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ra
     assert engine["tokens_per_s"] == values and engine["median"] == sorted(values)[1]
     assert engine["spread_pct"] == pytest.approx(100 * (max(values) - min(values)) / sorted(values)[1])
     assert f"{engine['spread_pct']:.0f}%" in text and "the spread needs at least" not in text
+    # the machine's own matmul rate, sampled before every run, beside each round's figure
+    probes = [r["machine_gflops_before"] for r in report["runs"]]
+    assert len(probes) == 6 and all(0 < p["min"] <= p["median"] <= p["max"] and p["samples"] >= 5 for p in probes)
+    assert all(p["dtype"] == report["config"]["dtype_resolved"] for p in probes)
+    assert engine["machine_gflops_before"] == [r["machine_gflops_before"] for r in report["runs"]
+                                               if r["system"] == "engine"]
+    low, high = min(p["min"] for p in probes), max(p["max"] for p in probes)
+    assert f"ran at {low:.0f}-{high:.0f} GFLOP/s" in text
+    assert ", ".join(f"{p['min']:.0f}-{p['max']:.0f}" for p in engine["machine_gflops_before"]) in text
     from benchmarks.docs_page import generate
 
     (tmp_path / "results").mkdir()
@@ -313,3 +325,17 @@ def test_vllm_runs_only_with_tcmalloc_preloaded_and_older_reports_say_where_it_d
     page = page_markdown(report)
     assert page.count("did not run as prescribed here") == 1
     assert "vLLM CPU, in process did not run as prescribed here**: tcmalloc not found" in page
+
+
+def test_machine_rate_samples_are_each_a_measured_rate():
+    from benchmarks.steadiness import MIN_SAMPLES, sample_gemm_rate, summarize_rates
+
+    samples = sample_gemm_rate("float32", 1, seconds=0.01, n=64)
+    assert len(samples) >= MIN_SAMPLES and all(rate > 0.01 for rate in samples)  # 64^3 on one core: >> 10 MFLOP/s
+    summary = summarize_rates([100.0, 200.0, 150.0])
+    assert summary == {"min": 100.0, "median": 150.0, "max": 200.0, "spread_pct": pytest.approx(100 * 100 / 150),
+                       "samples": 3}
+    with pytest.raises(ValueError, match="seconds"):
+        sample_gemm_rate("float32", 1, seconds=0)
+    with pytest.raises(ValueError, match="no samples"):
+        summarize_rates([])
