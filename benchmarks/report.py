@@ -71,7 +71,7 @@ def spread(runs: list[dict]) -> dict:
         if run["system"] != "ceiling":
             entry = out.setdefault(run["mode"], {}).setdefault(run["system"], {"tokens_per_s": []})
             entry["tokens_per_s"].append(run["output_tokens_per_s"])
-            if run.get("machine_gflops_before"):  # the machine's own matmul rate right before the run
+            if run.get("machine_gflops_before"):  # the machine's own matmul rate before the system's round
                 entry.setdefault("machine_gflops_before", []).append(run["machine_gflops_before"])
     for systems in out.values():
         for entry in systems.values():
@@ -317,7 +317,9 @@ def spread_table(report: dict) -> list[str]:
     rounds = _num_rounds(report["runs"])
     entries = [(mode, system, entry) for mode, systems in report.get("spread", {}).items()
                for system, entry in systems.items()]
-    probes = [p for _, _, entry in entries for p in entry.get("machine_gflops_before", [])]
+    # one probe per system and round (the round's modes share it): counted once
+    probes = list({(r["system"], r.get("round", 0)): r["machine_gflops_before"] for r in report["runs"]
+                   if r.get("machine_gflops_before")}.values())
     lines = ["| System | Mode | Tokens/s by round | Median | Spread (max - min) / median |"
              + (" Machine matmul GFLOP/s before each round (min-max) |" if probes else ""),
              "|---|---|---|---:|---:|" + ("---|" if probes else "")]
@@ -333,9 +335,9 @@ def spread_table(report: dict) -> list[str]:
         low, high = min(p["min"] for p in probes), max(p["max"] for p in probes)
         median = statistics.median(p["median"] for p in probes)
         lines += ["", f"The machine itself: a {probes[0]['n']}^3 {probes[0]['dtype']} matmul on the run's threads, "
-                      f"sampled for {probes[0]['seconds']:g} s before each run, ran at {low:.0f}-{high:.0f} GFLOP/s "
-                      f"(median of the runs' medians {median:.0f}; spread {100 * (high - low) / median:.0f}%): a "
-                      f"machine whose own rate moves this much moves every system's figures too."]
+                      f"sampled for {probes[0]['seconds']:g} s before each system's round, ran at {low:.0f}-{high:.0f} "
+                      f"GFLOP/s (median of the rounds' medians {median:.0f}; spread {100 * (high - low) / median:.0f}%): "
+                      f"a machine whose own rate moves this much may move any system's figures."]
     if rounds < MIN_ROUNDS_FOR_SPREAD:
         lines += ["", f"{rounds} round(s): the spread needs at least {MIN_ROUNDS_FOR_SPREAD} "
                       f"(`--rounds {MIN_ROUNDS_FOR_SPREAD}`); a single figure here may be off by the machine's "

@@ -124,7 +124,7 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
     """Builds ``name``, runs it once per mode, closes it; its summaries (``round`` set), or none with the reason in
     ``skipped``."""
     log.info("%s: starting%s", name, f" (round {round_index + 1} of {config.rounds})" if config.rounds > 1 else "")
-    probe = _probe_machine(config) if config.rounds > 1 else None
+    probe = _probe_machine(config) if config.rounds > 1 else None  # before the build: nothing of ours running
     try:
         system = _build(name, config, model_dir, workload, pad)
     except Exception as exc:  # e.g. no tritonserver here: say so and go on
@@ -156,16 +156,23 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
     return runs
 
 
-def _probe_machine(config: BenchConfig) -> dict:
-    """The machine's matmul rate right before a round's run (:mod:`benchmarks.steadiness`), with nothing else of
-    ours running; torch's thread count is left at the run's."""
+def _probe_machine(config: BenchConfig) -> dict | None:
+    """The machine's matmul rate before a system's round (:mod:`benchmarks.steadiness`), sampled before the system
+    is built, so with nothing else of ours running; every mode of that round carries it. None (logged) when the
+    probe fails: the round runs without it."""
     from backend.config import resolve_dtype
     from benchmarks.steadiness import PROBE_N, PROBE_SECONDS, sample_gemm_rate, summarize_rates
 
     dtype = resolve_dtype(config.dtype, "cpu")
-    rates = summarize_rates(sample_gemm_rate(dtype, config.threads, seconds=PROBE_SECONDS))
-    log.info("machine before the run: %s matmul %.0f-%.0f GFLOP/s (median %.0f)", dtype, rates["min"], rates["max"],
-             rates["median"])
+    try:
+        rates = summarize_rates(sample_gemm_rate(dtype, config.threads, seconds=PROBE_SECONDS))
+    except Exception as exc:
+        log.warning("machine probe failed, the round runs without it: %s", _one_line(exc))
+        return None
+    finally:
+        torch.set_num_threads(config.threads)
+    log.info("machine before the round: %s matmul %.0f-%.0f GFLOP/s (median %.0f)", dtype, rates["min"],
+             rates["max"], rates["median"])
     return {**rates, "dtype": dtype, "n": PROBE_N, "seconds": PROBE_SECONDS}
 
 

@@ -1,10 +1,12 @@
-"""The machine's own arithmetic rate, sampled before each run of a benchmark of several rounds.
+"""The machine's own arithmetic rate, sampled before each system's round of a benchmark of several rounds.
 
 On small cloud machines the rate a plain matmul gets can move by 2x from one second to the next with nothing else
-running in the guest and no steal time counted (an Intel Xeon with AMX, 2 vCPUs under KVM: a 2048^3 bf16 matmul
+running in the guest and almost no steal time counted (an Intel Xeon with AMX, 2 vCPUs under KVM: a 2048^3 bf16 matmul
 at 394-800 GFLOP/s, fp32 at 166-260, samples 3 s apart; docs/performance.md). An engine's spread between rounds
-means little without the machine's beside it: :func:`sample_gemm_rate` measures it right before each run, and the
-report puts the samples next to each round's tokens/s, so that a slow round on a slow machine reads as such.
+means little without the machine's beside it: :func:`sample_gemm_rate` measures it before each system's round
+(before the system is built, so with nothing else of ours running), and the report puts the samples next to each
+round's tokens/s. A 2 s sample before a run of a minute shows how much the machine moves, not its rate during the
+run.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def sample_gemm_rate(dtype: str, threads: int, seconds: float = PROBE_SECONDS, n
     torch.set_num_threads(threads)
     kind = getattr(torch, peak_dtype(dtype))
     a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
-    start = time.perf_counter()
     a @ b  # packing and thread start-up, not sampled
+    start = time.perf_counter()
+    a @ b
     repeats = max(1, round(SAMPLE_SECONDS / max(time.perf_counter() - start, 1e-6)))
     flops = 2 * n**3 * repeats
     samples: list[float] = []

@@ -328,9 +328,15 @@ def test_vllm_runs_only_with_tcmalloc_preloaded_and_older_reports_say_where_it_d
 
 
 def test_machine_rate_samples_are_each_a_measured_rate():
+    import torch
+
     from benchmarks.steadiness import MIN_SAMPLES, sample_gemm_rate, summarize_rates
 
-    samples = sample_gemm_rate("float32", 1, seconds=0.01, n=64)
+    threads = torch.get_num_threads()
+    try:
+        samples = sample_gemm_rate("float32", 1, seconds=0.01, n=64)
+    finally:
+        torch.set_num_threads(threads)
     assert len(samples) >= MIN_SAMPLES and all(rate > 0.01 for rate in samples)  # 64^3 on one core: >> 10 MFLOP/s
     summary = summarize_rates([100.0, 200.0, 150.0])
     assert summary == {"min": 100.0, "median": 150.0, "max": 200.0, "spread_pct": pytest.approx(100 * 100 / 150),

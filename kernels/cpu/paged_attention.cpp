@@ -714,7 +714,8 @@ inline void amx_scores(const bf16* keys, int64_t stride_bytes, const bf16* qtile
 // score-tile column: rows are keys (the first n), columns query vectors. `valid[r]` (MASKED only) marks the columns
 // that may see key r; the others get a probability of exactly 0 and, where no key of the tile is theirs, keep their
 // maximum (rescale 1). Writes p (n rows of 16) and alpha (the rescale of the accumulators) and advances maxima
-// and sums. A column must have seen a key before (or in) its first tile, so that its maximum is finite.
+// and sums. A column must have seen a key before (or in) its first tile, so that its maximum is finite (the
+// prefill's unused padding columns see none; their results are never written).
 template <bool MASKED>
 inline void amx_column_softmax(const float* scores, int n, float scale, const __mmask16* valid, __m512& maxima,
                                __m512& sums, float* p, float* alpha) {
