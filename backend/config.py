@@ -21,6 +21,7 @@ STRING_SETTINGS = ("model", "dtype", "device", "attention_backend", "model_impl"
 OPTIONAL_STRING_SETTINGS = ("model", "kv_events_endpoint", "kv_events_replay_endpoint")
 MAX_NUM_THREADS = 1024  # torch keeps a thread count it cannot start; past this, a typo rather than a machine
 MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM's sizes are 1-256); a larger one is a typo, not a layout
+QUANTIZATIONS = ("none", "int8", "w8a8")  # EngineConfig.quantization's values
 
 
 @dataclass
@@ -104,7 +105,11 @@ class EngineConfig:
             FMA (AVX512-BF16 for bfloat16), ``dtype`` float32 or bfloat16, the compact decoder (``model_impl`` auto, a family of ``backend/models``) and the
             ``default`` model runner; else the engine refuses to start with the reason. The name is vLLM's
             ``--quantization`` (there a checkpoint's method: INT8 W8A8, AWQ, GPTQ on x86 CPUs, quantized beforehand);
-            here an ordinary checkpoint is quantized at load, weights only.
+            here an ordinary checkpoint is quantized at load. ``w8a8``: the same int8 weights, and each GEMM rounds
+            its activations to int8 at run time, symmetric, with a scale per token and group of 64 input features,
+            for AVX512-VNNI's integer dot products (faster GEMMs from a few rows up, a little more perplexity:
+            docs/configuration.md#quantization); needs AVX512-VNNI and hidden and intermediate sizes that are
+            multiples of 64 too.
         model_runner: ``default`` runs the model; ``zero_cost`` runs nothing and returns a fixed cycle of tokens
             at once (:mod:`backend.zero_cost_runner`) through the real scheduler, KV cache manager and output
             processor: for benchmarks of the serving path only, never for serving.
@@ -191,8 +196,8 @@ class EngineConfig:
                              "(attention_backend auto or triton, model_impl auto)")
         if self.model_runner not in ("default", "zero_cost"):
             raise ValueError(f"model_runner must be default or zero_cost, got {self.model_runner!r}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization != "none":
             if not self.device.startswith("cpu"):
                 raise ValueError(f"quantization {self.quantization} is a CPU kernel, got device {self.device!r}")

@@ -60,8 +60,8 @@ class ModelRunner:
         """``attn_backend``: the selector's choice (:func:`backend.attention.select_attention_backend`); with
         ``uses_cpu_ops`` the compact decoder's layers run through ``kernels/cpu`` too. ``compact``: the compact
         decoder where the architecture allows (fused GEMMs, prepacked weights); else the unmodified transformers
-        model with paged attention plugged into its ``AttentionInterface``. ``quantization``: ``none`` or ``int8``
-        (the compact decoder's linears as int8 weights; needs ``compact``).
+        model with paged attention plugged into its ``AttentionInterface``. ``quantization``: ``none``, ``int8`` or
+        ``w8a8`` (the compact decoder's linears as int8 weights; needs ``compact``).
 
         Raises:
             ValueError: ``int8`` without the compact decoder, or where its kernel cannot run."""

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from backend.config import QUANTIZATIONS
 from benchmarks.config import LLAMACPP_QUANTS, MODES, QUICK, SYSTEMS, BenchConfig
 
 
@@ -44,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="run the systems this many times in turn; ratios per round and their median (default 1)")
     parser.add_argument("--served-offline-stream", action="store_true",
                         help="the server's offline run streams every token (default: whole answers, stream false)")
-    parser.add_argument("--quantization", choices=("none", "int8"),
-                        help="our engine's quantization (default none; int8: weight-only int8 linears)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="our engine's quantization (default none; int8: weight-only int8 linears; "
+                             "w8a8: int8 weights and activations)")
     parser.add_argument("--shape", help="a model shape with random weights instead of --model: "
                                         "smollm2-360m, smollm2-1.7b, llama-3b (benchmarks.shapes; written once)")
     parser.add_argument("--limits", action="store_true",

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.config import QUANTIZATIONS
+
 SYSTEMS = ("naive", "static", "generate_batch", "engine", "server", "vllm", "llamacpp", "ceiling",
            "prefix_cache")
 MODES = ("offline", "online", "concurrent")
@@ -57,8 +59,9 @@ class BenchConfig:
         rounds: runs of every selected system, in turn (engine, vllm, engine, vllm, ...): a machine whose speed
             drifts between minutes (shared memory bandwidth) moves neighbouring runs together, so the reported
             ratios are each round's and their median.
-        quantization: our engine's and server's ``quantization`` (``none`` or ``int8``: weight-only int8 linears,
-            ``backend.config.EngineConfig``); the other systems run the model as loaded.
+        quantization: our engine's and server's ``quantization`` (``none``, ``int8``: weight-only int8 linears, or
+            ``w8a8``: int8 weights and activations; ``backend.config.EngineConfig``); the other systems run the model
+            as loaded.
         shape: a model shape with random weights (``benchmarks.shapes``) instead of ``model``.
         limits: measure the machine's memory bandwidth and GEMM peak and report the model's bounds
             (``benchmarks.limits``); on by default with ``shape``.
@@ -117,8 +120,8 @@ class BenchConfig:
         if self.llamacpp_quant not in (None, *LLAMACPP_QUANTS):
             raise ValueError(f"llamacpp_quant must be one of {', '.join(LLAMACPP_QUANTS)} (or None), "
                              f"got {self.llamacpp_quant!r}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if not (0 < self.rate < math.inf):
             raise ValueError(f"rate must be a positive finite number of requests/s, got {self.rate}")
         for name in ("naive_max_requests", "static_max_requests", "online_max_requests"):

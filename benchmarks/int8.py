@@ -1,15 +1,17 @@
-"""Weight-only int8 (``quantization int8``): what it costs in quality and what it saves in time.
+"""int8 weights (``quantization int8``, and ``w8a8`` with int8 activations too): what they cost in quality and what
+they save in time.
 
 ``python -m benchmarks.int8 quality [--windows N] [--window-tokens T] [--max-tokens N]``: the perplexity of the
 default model (SmolLM2-135M-Instruct) on the benchmark's English corpus (``benchmarks.workload.corpus_text``) with
 the engine in fp32, bf16 and with int8 weights (bf16 activations where the kernels take them: AVX512-BF16, or AVX2 through the fp32 path),
 each window's tokens scored by its own prefill (prompt logprobs), and how many of
 :data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to the same activations' float
-weights.
+weights; where the kernels take int8 activations (AVX512-VNNI) the same for ``w8a8``.
 
 ``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
 (QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
-``repeats``): ``int8_gemm`` (bf16 activations where it takes them, else fp32) against ``small_gemm`` with bf16 and fp32 weights
+``repeats``): ``int8_gemm`` (bf16 activations where it takes them, else fp32; and with int8 activations, W8A8, where
+it takes them) against ``small_gemm`` with bf16 and fp32 weights
 (past the rows ``small_gemm`` takes, and for bf16 where it has no bf16 path: ``F.linear``), and oneDNN's fp32 GEMM on
 prepacked weights with the ratio of its time to the fp32 column's (1.00x where both are oneDNN). A decode step of
 the model runs this once per layer. Each timing runs through as many copies of the layer as make its int8 weights
@@ -19,6 +21,7 @@ at least :data:`STREAMED_BYTES`, so that the weights stream from memory as in a 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 
@@ -73,12 +76,12 @@ def int8_activations() -> str:
     return "bfloat16" if cpu.int8_gemm_available(torch.bfloat16) else "float32"
 
 
-def greedy_agreement(max_tokens: int, dtype: str) -> tuple[int, int, list[int]]:
-    """(identical outputs, prompts, first divergent output index of each other one): int8 against float weights,
-    both with ``dtype`` activations."""
+def greedy_agreement(max_tokens: int, dtype: str, quantization: str = "int8") -> tuple[int, int, list[int]]:
+    """(identical outputs, prompts, first divergent output index of each other one): ``quantization`` (int8 or w8a8)
+    against float weights, both with ``dtype`` activations."""
     from benchmarks.dtype_agreement import PROMPTS, greedy_outputs
 
-    outputs = [greedy_outputs(dtype, max_tokens, quantization) for quantization in ("none", "int8")]
+    outputs = [greedy_outputs(dtype, max_tokens, q) for q in ("none", quantization)]
     diverged = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 for a, b in zip(*outputs) if a != b]
     return len(PROMPTS) - len(diverged), len(PROMPTS), sorted(diverged)
@@ -87,8 +90,9 @@ def greedy_agreement(max_tokens: int, dtype: str) -> tuple[int, int, list[int]]:
 STREAMED_BYTES = 128 << 20  # more than the L3 caches of the CPUs this runs on (32 MiB on the reference machine)
 
 
-def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float, float, float, float]]:
-    """Per row count: (rows, int8 ms, bf16 ms, fp32 ms, fp32 oneDNN ms) for one decoder layer's four GEMMs, best of
+def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float | None, float, float, float, float]]:
+    """Per row count: (rows, W8A8 ms or None where the kernels have no int8 activations, int8 ms, bf16 ms, fp32 ms,
+    fp32 oneDNN ms) for one decoder layer's four GEMMs, best of
     ``repeats`` runs over enough copies of the layer to stream :data:`STREAMED_BYTES` of int8 weights, divided by
     the copies. The last is oneDNN's fp32 GEMM on prepacked weights (what the engine runs where ``small_gemm``
     does not), beside what the engine runs for fp32 weights."""
@@ -121,10 +125,16 @@ def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, 
     results = []
     for m in rows:
         xs = [torch.randn(m, k, generator=generator) for _, k in shapes] * copies
-        times = []
-        for kind, dtype in (("int8", int8_dtype), ("bf16", torch.bfloat16), ("fp32", torch.float32),
-                            ("onednn", torch.float32)):
-            if kind == "int8":
+        times: list[float | None] = []
+        kinds = [("int8", int8_dtype), ("bf16", torch.bfloat16), ("fp32", torch.float32), ("onednn", torch.float32)]
+        if cpu.w8a8_gemm_available():
+            kinds.insert(0, ("w8a8", int8_dtype))
+        else:
+            times.append(None)
+        for kind, dtype in kinds:
+            if kind == "w8a8":
+                gemm, weights_of_kind = functools.partial(cpu.int8_gemm, int8_activations=True), packs["int8"]
+            elif kind == "int8":
                 gemm, weights_of_kind = cpu.int8_gemm, packs["int8"]
             elif kind == "onednn":
                 gemm, weights_of_kind = onednn_gemm, onednn
@@ -164,18 +174,28 @@ def main(argv: list[str] | None = None) -> None:
         runs = [("fp32", "float32", "none"), ("bf16", "bfloat16", "none"), ("fp32 + int8 weights", "float32", "int8")]
         if int8_activations() == "bfloat16":
             runs.insert(2, ("bf16 + int8 weights", "bfloat16", "int8"))
+        from kernels import cpu
+
+        quantizations = ["int8", "w8a8"] if cpu.w8a8_gemm_available() else ["int8"]
+        if "w8a8" in quantizations:
+            runs += [(label.replace("int8 weights", "w8a8"), dtype, "w8a8") for label, dtype, q in runs if q == "int8"]
         for label, dtype, quantization in runs:
             print(f"perplexity {label}: {perplexity(quantization, dtype, windows):.4f}")
         dtype = int8_activations()
-        same, total, diverged = greedy_agreement(args.max_tokens, dtype)
-        print(f"greedy int8 vs {dtype} weights ({dtype} activations): identical {same} of {total}; first divergence "
-              f"at output tokens {diverged}")
+        for quantization in quantizations:
+            same, total, diverged = greedy_agreement(args.max_tokens, dtype, quantization)
+            print(f"greedy {quantization} vs {dtype} weights ({dtype} activations): identical {same} of {total}; "
+                  f"first divergence at output tokens {diverged}")
     else:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
         print(f"one layer of {args.shape}, ms (best of {args.repeats}, {torch.get_num_threads()} threads)")
-        print(f"rows  int8 ({int8_activations()} activations)   bf16   fp32   fp32 oneDNN   fp32 / oneDNN speed")
-        for m, int8_ms, bf16_ms, fp32_ms, onednn_ms in layer_gemm_ms(args.shape, rows, args.repeats):
-            print(f"{m:4d} {int8_ms:6.2f} {bf16_ms:6.2f} {fp32_ms:6.2f} {onednn_ms:6.2f} {onednn_ms / fp32_ms:5.2f}x")
+        print(f"rows  w8a8   int8 ({int8_activations()} activations)   bf16   fp32   fp32 oneDNN   "
+              "fp32 / oneDNN speed   int8 / w8a8 speed")
+        for m, w8a8_ms, int8_ms, bf16_ms, fp32_ms, onednn_ms in layer_gemm_ms(args.shape, rows, args.repeats):
+            w8a8 = "   n/a" if w8a8_ms is None else f"{w8a8_ms:6.2f}"
+            gain = "  n/a" if w8a8_ms is None else f"{int8_ms / w8a8_ms:5.2f}x"
+            print(f"{m:4d} {w8a8} {int8_ms:6.2f} {bf16_ms:6.2f} {fp32_ms:6.2f} {onednn_ms:6.2f} "
+                  f"{onednn_ms / fp32_ms:5.2f}x {gain}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def _timed(fn) -> float:
 
 def model_limits(model_dir: str, dtype: str, threads: int, quantization: str = "none") -> dict:
     """The measured bandwidth and GEMM peak, the model's weight bytes per step (in ``dtype``, or int8 with their
-    scales for ``quantization`` int8) and parameters, and the bounds they set: the shortest decode step (one
+    scales for ``quantization`` int8 or w8a8) and parameters, and the bounds they set: the shortest decode step (one
     stream's ITL floor, ms), decode tokens/s per stream in the batch (memory bound), and tokens/s at the GEMM peak
     (compute bound)."""
     from transformers import AutoConfig
@@ -66,12 +66,13 @@ def model_limits(model_dir: str, dtype: str, threads: int, quantization: str = "
 
     config = AutoConfig.from_pretrained(model_dir)
     params = weight_bytes(config, 1)
-    weights = int8_weight_bytes(config) if quantization == "int8" else weight_bytes(config, 4 if dtype == "float32" else 2)
+    int8 = quantization in ("int8", "w8a8")
+    weights = int8_weight_bytes(config) if int8 else weight_bytes(config, 4 if dtype == "float32" else 2)
     bandwidth = measure_bandwidth_gbps(threads)
     gemm_dtype = peak_dtype(dtype)
     peak = measure_gemm_gflops(gemm_dtype, threads)
     return {"bandwidth_gbps": bandwidth, "gemm_gflops": peak, "gemm_dtype": gemm_dtype, "weight_bytes_per_step": weights,
-            "weight_format": "int8" if quantization == "int8" else dtype,
+            "weight_format": "int8" if int8 else dtype,
             "matmul_parameters": params, "itl_floor_ms": 1e3 * weights / (bandwidth * 1e9),
             "decode_tokens_per_s_per_stream_bound": bandwidth * 1e9 / weights,
             "compute_bound_tokens_per_s": peak * 1e9 / (2 * params)}

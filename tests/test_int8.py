@@ -92,12 +92,12 @@ def test_int8_linear_refuses_what_the_kernel_cannot_run():
         Linear(torch.randn(40, 16), quantization="int8")
     with pytest.raises(ValueError, match="in_features even"):
         Linear(torch.randn(32, 15), quantization="int8")
-    with pytest.raises(ValueError, match="none or int8"):
+    with pytest.raises(ValueError, match="none, int8 or w8a8"):
         Linear(torch.randn(32, 16), quantization="int4")
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(quantization="int4"), "none or int8"),
+    (dict(quantization="int4"), "one of none, int8, w8a8"),
     (dict(quantization="int8", device="cuda"), "CPU kernel"),
     (dict(quantization="int8", dtype="float16"), "float32 or bfloat16"),
     (dict(quantization="int8", model_impl="transformers"), "compact decoder"),
@@ -190,7 +190,7 @@ def test_benchmark_passes_quantization_to_our_engine():
     assert engine_config(config).quantization == "int8"
     with pytest.raises(SystemExit):
         parse_args(["--quantization", "int4"])
-    with pytest.raises(ValueError, match="none or int8"):
+    with pytest.raises(ValueError, match="one of none, int8, w8a8"):
         BenchConfig(quantization="int4")
 
 

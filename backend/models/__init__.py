@@ -16,11 +16,12 @@ def build_decoder(hf_model, max_model_len: int, cpu_kernels: bool = False,
     """The compact decoder for ``hf_model`` (a loaded transformers causal LM), or None when its family or
     configuration needs the transformers path (the reason is logged). ``cpu_kernels``: run norms, rotary and
     SwiGLU through the C++ kernels of ``kernels/cpu`` (the caller checked that they built). ``quantization``:
-    ``none`` or ``int8`` (weight-only int8 linears, :class:`~backend.models.layers.Linear`).
+    ``none``, ``int8`` (weight-only int8 linears, :class:`~backend.models.layers.Linear`) or ``w8a8`` (int8 weights
+    and activations).
 
     Raises:
-        ValueError: ``int8`` for a model the compact decoder does not run (only it has int8 linears), or where
-            the int8 kernel cannot run.
+        ValueError: ``int8`` / ``w8a8`` for a model the compact decoder does not run (only it has int8 linears), or
+            where the int8 kernel cannot run.
     """
     reason = unsupported_reason(hf_model, max_model_len)
     if reason is not None:

@@ -6,7 +6,8 @@ the residual add happens inside the norm; rotary cos/sin are looked up once per 
 CPU the GEMMs run through oneDNN with weights reordered once at load ("prepacked", what inductor's
 freezing does for vLLM's CPU path), so that no step pays ``F.linear``'s reorder of the weights.
 With ``quantization="int8"`` a Linear keeps its weight as int8 per output channel instead (``cpu_ops.int8_gemm``,
-weight-only "W8A16"), half the bytes a decode step reads of bf16 weights.
+weight-only "W8A16"), half the bytes a decode step reads of bf16 weights; with ``"w8a8"`` the same weights, and the
+activations rounded to int8 at run time for integer dot products.
 With ``cpu_kernels`` the norm, rotary and SwiGLU run as one C++ pass each (``kernels/cpu``; vLLM's CPU path
 fuses them too) instead of eager torch's chains of small operations; the torch code below is the same
 arithmetic, for other devices and machines without a compiler.
@@ -48,12 +49,14 @@ class Linear(torch.nn.Module):
             fp32 scale per row (:func:`kernels.cpu.int8_gemm_pack`) and kept only in that form; every GEMM, of
             any number of rows, runs through ``cpu_ops.int8_gemm`` (``small_batch`` is then that packed weight,
             ``small_batch_rows`` its row limit per call, ``weight`` None). Weight-only per-channel quantization
-            as in LLM.int8() (Dettmers et al. 2022, sec. 3.1), without its fp16 outlier columns.
+            as in LLM.int8() (Dettmers et al. 2022, sec. 3.1), without its fp16 outlier columns. ``w8a8``: the same
+            weights, and each GEMM rounds its activations to int8 per row and group of 64 k (``int8_activations``
+            of ``cpu_ops.int8_gemm``, AVX512-VNNI).
 
     Raises:
-        ValueError: ``int8`` where ``cpu_ops.int8_gemm`` cannot run (:func:`int8_unsupported_reason`: not a CPU
-            tensor, a build without AVX-512 or AVX2 with FMA, an fp16 weight, a shape it does not take), or an unknown
-            ``quantization``.
+        ValueError: ``int8`` / ``w8a8`` where ``cpu_ops.int8_gemm`` cannot run (:func:`int8_unsupported_reason`: not
+            a CPU tensor, a build without AVX-512 or AVX2 with FMA (w8a8: AVX512-VNNI), an fp16 weight, a shape it
+            does not take), or an unknown ``quantization``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False,
@@ -65,10 +68,10 @@ class Linear(torch.nn.Module):
         self.small_batch = None  # the weight in the tile layout, when small_batch applies
         self.small_batch_rows = 0  # the most rows that go to it
         self.quantization = quantization
-        if quantization == "int8":
-            reason = int8_unsupported_reason(weight)
+        if quantization in ("int8", "w8a8"):
+            reason = int8_unsupported_reason(weight, quantization)
             if reason is not None:
-                raise ValueError(f"quantization int8 cannot run here: {reason}")
+                raise ValueError(f"quantization {quantization} cannot run here: {reason}")
             self.small_batch = cpu_ops.int8_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.int8_gemm_max_rows()
             self.packed = False
@@ -76,7 +79,7 @@ class Linear(torch.nn.Module):
             self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
             return
         if quantization != "none":
-            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
+            raise ValueError(f"quantization must be none, int8 or w8a8, got {quantization!r}")
         if weight.device.type == "cpu" and small_batch and _small_gemm_fits(weight):
             self.small_batch = cpu_ops.small_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
@@ -90,8 +93,8 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
-        if self.quantization == "int8":
-            return cpu_ops.int8_gemm(x, self.small_batch, self.bias)
+        if self.quantization != "none":
+            return cpu_ops.int8_gemm(x, self.small_batch, self.bias, int8_activations=self.quantization == "w8a8")
         if 0 < x.shape[0] <= self.small_batch_rows:
             return cpu_ops.small_gemm(x, self.small_batch, self.bias)
         if self.weight is None:  # no rows (a step that samples nothing) with only small_gemm's copy
@@ -101,10 +104,11 @@ class Linear(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
+def int8_unsupported_reason(weight: torch.Tensor, quantization: str = "int8") -> str | None:
     """Why ``weight`` ``[out_features, in_features]`` cannot be quantized for ``cpu_ops.int8_gemm`` (None when it
     can): its kernel needs a CPU, the C++ kernels built with AVX-512 (AVX512-BF16 for bf16) or AVX2 and FMA, fp32 or bf16
-    activations (the weight's dtype), out_features a multiple of 16 and in_features even."""
+    activations (the weight's dtype), out_features a multiple of 16 and in_features even; ``w8a8`` also
+    AVX512-VNNI and in_features a multiple of ``cpu_ops.w8a8_group_size()`` (64)."""
     if weight.device.type != "cpu":
         return f"the int8 GEMM is a CPU kernel, the weights are on {weight.device}"
     if weight.dtype not in (torch.float32, torch.bfloat16):
@@ -117,6 +121,12 @@ def int8_unsupported_reason(weight: torch.Tensor) -> str | None:
     if not cpu_ops.int8_gemm_available(weight.dtype):
         needs = "AVX512-BF16 or AVX2 with FMA" if weight.dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return f"the C++ CPU kernels were built without {needs} (needed for {weight.dtype} activations)"
+    if quantization == "w8a8":
+        if not cpu_ops.w8a8_gemm_available():
+            return "the C++ CPU kernels were built without AVX512-VNNI (int8 activations multiply with vpdpbusd)"
+        if weight.shape[1] % cpu_ops.w8a8_group_size():
+            return f"the weight [{weight.shape[0]}, {weight.shape[1]}] needs in_features a multiple of " \
+                   f"{cpu_ops.w8a8_group_size()} (the activations' scale groups)"
     return None
 
 

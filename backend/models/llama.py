@@ -107,10 +107,11 @@ class LlamaDecoder(torch.nn.Module):
     Built from a transformers ``*ForCausalLM`` of :data:`ARCHITECTURES` (check :func:`unsupported_reason`
     first); the transformers model can be dropped afterwards (its embedding table is shared, not copied).
     ``quantization``: ``none``, or ``int8``: every layer's QKV, O, gate-up and down weights (and the LM head when
-    :data:`QUANTIZE_LM_HEAD`) are int8 per output channel (:class:`~backend.models.layers.Linear`).
+    :data:`QUANTIZE_LM_HEAD`) are int8 per output channel (:class:`~backend.models.layers.Linear`); ``w8a8``: the
+    same, and their GEMMs round the activations to int8 too.
 
     Raises:
-        ValueError: ``int8`` where it cannot run (see :func:`backend.models.layers.int8_unsupported_reason`).
+        ValueError: ``int8`` / ``w8a8`` where it cannot run (see :func:`backend.models.layers.int8_unsupported_reason`).
     """
 
     def __init__(self, hf_model, max_model_len: int, cpu_kernels: bool = False, quantization: str = "none") -> None:
@@ -148,7 +149,7 @@ class LlamaDecoder(torch.nn.Module):
         # layers have nothing it leaves out (Qwen3's q/k norms).
         layers = list(self.layers)
         self.decode_in_one_call = (
-            cpu_kernels and (small_batch or quantization == "int8") and all(layer.q_norm is None for layer in layers)
+            cpu_kernels and (small_batch or quantization != "none") and all(layer.q_norm is None for layer in layers)
             and all(linear.small_batch is not None for layer in layers
                     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
             and len({norm.eps for layer in layers
@@ -179,7 +180,7 @@ class LlamaDecoder(torch.nn.Module):
             hidden, residual = cpu_ops.decode_layers(
                 hidden, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
                 self._decode_layer_tensors(meta.kv_caches), first.num_heads, first.num_kv_heads, first.head_dim,
-                first.input_layernorm.eps, first.scale)
+                first.input_layernorm.eps, first.scale, int8_activations=self.quantization == "w8a8")
         else:
             residual = None
             for layer in self.layers:

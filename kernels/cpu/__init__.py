@@ -7,7 +7,8 @@
 - ``small_gemm``: decode-sized GEMMs (at most 64 rows on AMX tiles; 256 with AVX512-BF16 or AVX-512 multiply-adds
   without AMX), the weights streamed from a tile layout.
 - ``int8_gemm``: weight-only int8 GEMMs (W8A16: int8 weights per output channel with an fp32 scale, fp32 or bf16
-  activations) in small_gemm's register blocking, half the weight bytes of bf16 per step.
+  activations) in small_gemm's register blocking, half the weight bytes of bf16 per step; with AVX512-VNNI also
+  W8A8 (the activations rounded to int8 per group of 64 k at run time, integer dot products).
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
 - ``argmax_rows``: greedy picks read in the model's dtype (no fp32 copy of the logits).
 - ``greedy_head``: greedy picks from an fp32 LM head through a bf16 pass with a proven error bound, the exact fp32
@@ -51,7 +52,7 @@ CFLAGS = ["-O3", f"-march={os.environ.get('LLM_CPU_KERNELS_MARCH') or 'native'}"
           "-mprefer-vector-width=512", "-fopenmp"]
 FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "small_gemm_available",
              "small_gemm_max_rows", "small_gemm_pack", "small_gemm", "int8_gemm_available", "int8_gemm_max_rows",
-             "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "rms_norm", "fused_add_rms_norm",
+             "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "w8a8_gemm_available", "w8a8_group_size", "rms_norm", "fused_add_rms_norm",
              "rotary_embedding", "silu_and_mul", "decode_layers",
              "bind_threads", "argmax_rows", "greedy_head_available", "greedy_head", "exit_when_orphaned"]
 
@@ -272,13 +273,32 @@ def int8_gemm_unpack(packed: torch.Tensor, in_features: int, dtype: torch.dtype 
     return out
 
 
+def w8a8_gemm_available() -> bool:
+    """Whether :func:`int8_gemm` runs here with ``int8_activations`` (W8A8): the kernels built with AVX512-VNNI (and
+    :func:`int8_gemm_available` for the activations' dtype)."""
+    module = load()
+    return module is not None and module.w8a8_gemm_available()
+
+
+def w8a8_group_size() -> int:
+    """The k that share one activation scale in :func:`int8_gemm` with ``int8_activations`` (64): ``K`` must be a
+    multiple of it."""
+    return _module().w8a8_group_size()
+
+
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
     """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
     (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds, or on AVX2 without
     AVX-512 to int16 with ``vpmaddwd``, each row of ``x`` rounded to int16 with its own scale, ``max |x| / 32767``;
     bf16 ``x`` on AVX2 goes the fp32 way, widened first, and the result is rounded to bf16 once);
     the sums are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
+
+    With ``int8_activations`` (W8A8, :func:`w8a8_gemm_available`) ``x`` is rounded to int8 too, symmetric, with an
+    fp32 scale per row and group of :func:`w8a8_group_size` k (``max |x| / 127`` over the group; llama.cpp's Q8_0
+    activations use groups of 32), and multiplied with AVX512-VNNI's ``vpdpbusd``: each group's sum is exact in
+    int32, scaled by its activation scale and added in fp32 in k order, then scaled per output. Each row is rounded
+    on its own, so a row's result does not depend on the others.
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
@@ -288,8 +308,9 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
         ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once).
 
     Raises:
-        RuntimeError: the kernel is unavailable for the dtype (:func:`int8_gemm_available`), or shapes / dtypes do
-            not match.
+        RuntimeError: the kernel is unavailable for the dtype (:func:`int8_gemm_available`) or for int8 activations
+            (:func:`w8a8_gemm_available`; K not a multiple of :func:`w8a8_group_size`), or shapes / dtypes do not
+            match.
     """
     module = _module()
     x = x.contiguous()
@@ -297,7 +318,7 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     if out is None:
         out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
     for begin in range(0, x.shape[0], rows):
-        module.int8_gemm(out[begin:begin + rows], x[begin:begin + rows], packed, bias)
+        module.int8_gemm(out[begin:begin + rows], x[begin:begin + rows], packed, bias, int8_activations)
     return out
 
 
@@ -386,7 +407,8 @@ DECODE_LAYER_TENSORS = 10  # decoder_layers.cpp
 
 def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, layers: list[torch.Tensor], num_heads: int,
-                  num_kv_heads: int, head_dim: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_kv_heads: int, head_dim: int, eps: float, scale: float,
+                  int8_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's decoder layers in one call (Llama family, ``backend.models.llama``): per layer the residual
     add and RMSNorm, QKV GEMM, rotary, KV write, paged decode attention, O GEMM, add and RMSNorm, gate-up GEMM,
     SwiGLU and down GEMM, each the kernel the Python loop calls, in its order (bit-identical results).
@@ -400,6 +422,7 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
             packed, down packed, key cache, value cache. A packed weight of dtype int8 (:func:`int8_gemm_pack`)
             runs through :func:`int8_gemm`, 1 <= rows <= :func:`int8_gemm_max_rows`.
         eps: the norms' epsilon; scale: the attention's softmax scale.
+        int8_activations: the int8 weights' GEMMs round their activations to int8 (W8A8, :func:`int8_gemm`).
 
     Returns:
         ``(hidden, residual)`` after the last layer, ``[rows, hidden_size]`` each.
@@ -408,7 +431,7 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
         RuntimeError: the extension could not be built, or shapes / dtypes / layouts do not match.
     """
     return _module().decode_layers(hidden, cos, sin, slot_mapping, block_tables, seq_lens, layers, num_heads,
-                                   num_kv_heads, head_dim, eps, scale)
+                                   num_kv_heads, head_dim, eps, scale, int8_activations)
 
 
 def bind_threads(cpus: list[int]) -> None:

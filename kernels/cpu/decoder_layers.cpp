@@ -16,13 +16,14 @@ constexpr int64_t DECODE_LAYER_TENSORS = 10;
 // row's rotary tables); slot_mapping: [rows] int64; block_tables: [rows, max_blocks] int64; seq_lens: [rows] int64
 // (contexts with the new token). layers: DECODE_LAYER_TENSORS per layer: input norm weight, QKV packed by
 // small_gemm_pack, QKV bias (empty: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
-// packed, down packed, key cache, value cache. A packed weight of dtype int8 (int8_gemm_pack) runs through int8_gemm. Returns (hidden, residual) after the last layer, as the Python loop
-// leaves them.
+// packed, down packed, key cache, value cache. A packed weight of dtype int8 (int8_gemm_pack) runs through int8_gemm,
+// with int8 activations (W8A8) where int8_activations. Returns (hidden, residual) after the last layer, as the Python
+// loop leaves them.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                        torch::Tensor seq_lens, std::vector<torch::Tensor> layers,
                                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                                       double eps, double scale) {
+                                                       double eps, double scale, bool int8_activations) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && !layers.empty()
               && layers.size() % DECODE_LAYER_TENSORS == 0, "decode_layers: hidden [rows, d] contiguous, ",
               DECODE_LAYER_TENSORS, " tensors per layer");
@@ -31,7 +32,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, tor
   auto bias = [](const torch::Tensor& b) { return b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt; };
   auto gemm = [&](const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& b) {
     torch::Tensor out = torch::empty({x.size(0), packed.size(0) * 16}, x.options());
-    if (packed.scalar_type() == at::kChar) int8_gemm(out, x, packed, b);  // weights from int8_gemm_pack
+    if (packed.scalar_type() == at::kChar) int8_gemm(out, x, packed, b, int8_activations);  // weights from int8_gemm_pack
     else small_gemm(out, x, packed, b);
     return out;
   };

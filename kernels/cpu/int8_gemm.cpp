@@ -18,6 +18,14 @@
 // 16 int8 weights widened to int16 per instruction pair, summed exactly in int32 over runs of 256 k pairs and in fp32
 // across runs; one row takes four blocks at a time, two rows two. The idea is the integer dot products of llama.cpp's
 // Q8_0 and vLLM's W8A8 with finer activations (their 8 bits per activation would add error; see configuration.md).
+// W8A8 (int8_gemm with int8_activations, AVX512-VNNI): the activations are rounded to int8 too, with a scale per
+// row and group of W8A8_GROUP k (as llama.cpp rounds activations to Q8_0 blocks of 32 for its integer dot products;
+// one scale per whole row, as in vLLM's dynamic per-token W8A8, cost SmolLM2-135M 2.9% perplexity, a group of 64
+// 0.5% over weight-only int8), and vpdpbusd multiplies 4 k of 16 outputs per instruction, 64 multiply-adds, with no
+// widening of the weights. vpdpbusd multiplies unsigned bytes by signed ones: the weights are taken as unsigned
+// q + 128 (their sign bit flipped), so each row's result carries 128 x its activations' sums, computed once per row
+// when it is rounded and taken off at the end (the sums over the weights instead would be one per output and group:
+// carried through the passes they cost a sixth of the time at 64 rows).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -27,6 +35,12 @@
 #include <atomic>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LLM_HAVE_AVX512_VNNI 1
+#else
+#define LLM_HAVE_AVX512_VNNI 0
+#endif
 
 namespace llm_cpu {
 namespace {
@@ -38,6 +52,7 @@ constexpr int64_t INT8_SCALE_BYTES = 16 * sizeof(float);  // the 16 fp32 scales 
 // the buffer's extra writes and reads cost more than the conversions they save (measured on AVX512-BF16 Zen 4).
 constexpr int64_t STAGED_MIN_ROWS = 128;
 constexpr int64_t STAGED_PAIRS = 512;
+constexpr int64_t W8A8_GROUP = 64;  // k per activation scale (W8A8)
 
 #if LLM_HAVE_AVX512
 // A k pair's 16 outputs of a block (32 int8 at w: output n's pair at bytes 2n, 2n + 1) widened to fp32:
@@ -266,8 +281,97 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 }
 #endif
 
+#if LLM_HAVE_AVX512_VNNI
+// Rows x [M, K] (fp32 or bf16; K % W8A8_GROUP == 0) rounded to int8 per group of W8A8_GROUP k: q[m][k] =
+// round(x[m][k] * (127 / a)) (ties to even, |q| <= 127), scales[m][g] = a / 127 (1 for an all-zero group), a = max |x|
+// over the group; scales [M, K / W8A8_GROUP]. offsets[m] = sum_g scales[m][g] * 128 * sum_{k in g} q[m][k] (fp32, in g
+// order): what the weights' offset of 128 adds to each of row m's results (w8a8_block).
+template <typename T>
+inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, float* scales, float* offsets) {
+  const int64_t groups = K / W8A8_GROUP;
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float offset = 0.f;
+      for (int64_t i = m * groups; i < (m + 1) * groups; ++i) {  // group i at x + i * W8A8_GROUP
+        const T* v = x + i * W8A8_GROUP;
+        float amax = 0.f;
+        for (int64_t k = 0; k < W8A8_GROUP; ++k) amax = std::max(amax, std::fabs(to_float(v[k])));
+        scales[i] = amax > 0.f ? amax / 127.f : 1.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < W8A8_GROUP; ++k) {
+          const int32_t r = static_cast<int32_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_float(v[k]) * inv))));
+          q[i * W8A8_GROUP + k] = static_cast<int8_t>(r);
+          sum += r;
+        }
+        offset = std::fma(scales[i], static_cast<float>(128 * sum), offset);
+      }
+      offsets[m] = offset;
+    }
+  });
+}
+
+// Word i of a k quad's 64 bytes (k pair 2p's 32, then 2p + 1's) that word i of the interleaved vector takes, so that
+// 32-bit lane n holds output n's 4 consecutive k, as vpdpbusd multiplies them.
+alignas(64) constexpr int16_t QUAD_WORDS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// int8 rows q[0..MB) (K apart; group scales xs, K / W8A8_GROUP per row, offsets from quantize_groups_s8) against NB
+// consecutive int8 blocks: c[m * 64 + 16 * j + n] = scale_j[n] * (sum_g xs[m][g] * sum_{k in g} q[m][k] (q_j[n][k] +
+// 128) - offsets[m]) = scale_j[n] * sum_g xs[m][g] * sum_{k in g} q[m][k] q_j[n][k] up to fp32 rounding. A group's
+// sums are exact in int32 (|sum| <= 127 * 255 * 64); the groups are added in fp32 in k order (in c, so a row's result
+// is the same whatever MB and NB).
+template <int MB, int NB>
+inline void w8a8_block(const int8_t* q, const float* xs, const float* offsets, int64_t K, const int8_t* w,
+                       int64_t stride, float* c, const char* pf = nullptr, int64_t pf_lines = 0) {
+  const int64_t quads = K / 4, groups = K / W8A8_GROUP;
+  const int64_t pf_step = pf ? (pf_lines + quads - 1) / quads : 0;
+  const __m512i interleave = _mm512_load_si512(QUAD_WORDS);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // flipped: int8 q -> unsigned q + 128
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_store_ps(c + m * 64 + 16 * j, _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) sums[m][j] = _mm512_setzero_si512();
+    for (int64_t p = g * (W8A8_GROUP / 4); p < (g + 1) * (W8A8_GROUP / 4); ++p) {
+      prefetch_share(pf, pf_lines, pf_step, p);
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j)
+        wv[j] = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(w + j * stride + 64 * p)), sign);
+      for (int m = 0; m < MB; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, q + m * K + 4 * p, sizeof(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int j = 0; j < NB; ++j) sums[m][j] = _mm512_dpbusd_epi32(sums[m][j], wv[j], xv);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 scale = _mm512_set1_ps(xs[m * groups + g]);
+      for (int j = 0; j < NB; ++j) {
+        float* cj = c + m * 64 + 16 * j;
+        _mm512_store_ps(cj, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][j]), scale, _mm512_load_ps(cj)));
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int m = 0; m < MB; ++m) {
+      float* cj = c + m * 64 + 16 * j;
+      _mm512_store_ps(cj, _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(cj), _mm512_set1_ps(offsets[m])), scale));
+    }
+  }
+}
+#endif
+
 }  // namespace
 }  // namespace llm_cpu
+
+// Whether this build runs int8_gemm with int8 activations (W8A8): AVX512-VNNI.
+bool w8a8_gemm_available() { return LLM_HAVE_AVX512_VNNI; }
+
+// The k per activation scale of int8_gemm with int8 activations: K must be a multiple of it.
+int64_t w8a8_group_size() { return llm_cpu::W8A8_GROUP; }
 
 // Whether this build runs int8_gemm: AVX-512 or AVX2 with FMA for fp32 activations; bf16 activations need
 // AVX512-BF16, or AVX2 with FMA (through the fp32 path).
@@ -342,18 +446,24 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
 
 // out [M, N] = x [M, K] * dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
 // 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
-// (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time.
-void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+// (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time
+// (12 for bf16, 8 for W8A8). int8_activations (W8A8, w8a8_gemm_available, K % w8a8_group_size() == 0): x is rounded
+// to int8 per row and group of k first (quantize_groups_s8) and multiplied with vpdpbusd.
+void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+               bool int8_activations) {
   using namespace llm_cpu;
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(int8_gemm_available(bf16_x), "int8_gemm: this build has no ",
               bf16_x ? "AVX512-BF16 and no AVX2 with FMA" : "AVX-512 and no AVX2 with FMA");
+  TORCH_CHECK(!int8_activations || w8a8_gemm_available(), "int8_gemm: int8 activations need AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16_x || x.scalar_type() == at::kFloat) && x.size(0) >= 1
               && x.size(0) <= INT8_GEMM_MAX_ROWS, "int8_gemm: x fp32 or bf16 [M <= ", INT8_GEMM_MAX_ROWS,
               ", K] contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous()
               && packed.size(1) == 16 * K + INT8_SCALE_BYTES, "int8_gemm: packed int8 [N / 16, 16 K + 64] for K = ", K);
+  TORCH_CHECK(!int8_activations || K % W8A8_GROUP == 0, "int8_gemm: int8 activations need K % ", W8A8_GROUP,
+              " == 0, got K = ", K);
   const int64_t NB = packed.size(0), N = NB * 16, stride = packed.size(1);
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N
               && out.scalar_type() == x.scalar_type(), "int8_gemm: out [M, N] contiguous, x's dtype");
@@ -364,7 +474,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
     // AVX2 has no bf16 arithmetic: the rows widened to fp32 (exact) through the fp32 path, the bias added in fp32
     // and the sums rounded to bf16 once, as the AVX512-BF16 path rounds them.
     torch::Tensor wide = torch::empty(out.sizes(), out.options().dtype(at::kFloat));
-    int8_gemm(wide, x.to(at::kFloat), packed, c10::nullopt);
+    int8_gemm(wide, x.to(at::kFloat), packed, c10::nullopt, false);
     if (bias) wide.add_(bias->to(at::kFloat));
     out.copy_(wide);
     return;
@@ -379,6 +489,16 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   std::vector<float> x_scales(M);
   quantize_rows_i16(x.data_ptr<float>(), M, K, xq.data(), x_scales.data());
 #endif
+#if LLM_HAVE_AVX512_VNNI
+  // W8A8: the rows rounded to int8 once per call, a scale per group of W8A8_GROUP k.
+  std::vector<int8_t> xq8(int8_activations ? M * K : 0);
+  std::vector<float> x_group_scales(int8_activations ? M * K / W8A8_GROUP : 0), x_offsets(int8_activations ? M : 0);
+  if (int8_activations) {
+    if (bf16_x) quantize_groups_s8(reinterpret_cast<const bf16*>(x.data_ptr()), M, K, xq8.data(), x_group_scales.data(),
+                                   x_offsets.data());
+    else quantize_groups_s8(x.data_ptr<float>(), M, K, xq8.data(), x_group_scales.data(), x_offsets.data());
+  }
+#endif
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
@@ -386,13 +506,14 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #if LLM_HAVE_AVX512_BF16
     std::vector<__m512bh> staged;  // the group's widened weights, STAGED_PAIRS k pairs of each block
     std::vector<__m512> sums;  // every row's scaled sums for the group, [M][64] fp32 (64-byte aligned rows)
-    if (bf16_x && M >= STAGED_MIN_ROWS) {
+    if (bf16_x && !int8_activations && M >= STAGED_MIN_ROWS) {
       staged.resize(4 * std::min(STAGED_PAIRS, K / 2));
       sums.resize(M * 4);
     }
 #endif
-    // Rows per pass over a group: 12 for bf16 (2 blocks at a time), 6 for fp32 (4 blocks; 2 x 2 accumulators).
-    const int64_t step = bf16_x ? 12 : 6;
+    // Rows per pass over a group: 8 for W8A8 (2 blocks at a time), 12 for bf16 (2 blocks), 6 for fp32 (4 blocks;
+    // 2 x 2 accumulators).
+    const int64_t step = int8_activations ? 8 : bf16_x ? 12 : 6;
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const int8_t* w = ws + nb0 * stride;
@@ -404,9 +525,23 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         const int64_t rows = std::min<int64_t>(step, M - m0), pass = m0 / step;
         const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
         const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
-        if (bf16_x) {
+        const float* sum = c;  // the pass's rows' scaled sums, 64 apart
+        if (int8_activations) {
+#if LLM_HAVE_AVX512_VNNI
+          const int8_t* xr = xq8.data() + m0 * K;
+          const float* sr = x_group_scales.data() + m0 * (K / W8A8_GROUP);
+          const float* offsets = x_offsets.data() + m0;
+          with_constant<8>(rows, [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            for (int64_t j = 0; j < nbs; j += 2) {
+              if (j + 1 < nbs) w8a8_block<MB, 2>(xr, sr, offsets, K, w + j * stride, stride, c + 16 * j,
+                                                 j ? nullptr : pf, j ? 0 : pf_lines);
+              else w8a8_block<MB, 1>(xr, sr, offsets, K, w + j * stride, stride, c + 16 * j);
+            }
+          });
+#endif
+        } else if (bf16_x) {
 #if LLM_HAVE_AVX512_BF16
-          const float* sum = c;  // the pass's rows' scaled sums, 64 apart
           if (M >= STAGED_MIN_ROWS) {
             if (m0 == 0) staged_group(x, K, w, stride, nbs, staged, reinterpret_cast<float*>(sums.data()));
             sum = reinterpret_cast<const float*>(sums.data()) + m0 * 64;
@@ -429,11 +564,6 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
                 });
             }
           }
-          bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
-          const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
-          for (int64_t m = 0; m < rows; ++m)
-            for (int64_t j = 0; j < nbs; ++j)
-              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
 #endif
         } else {
           // Two blocks at a time: 2 accumulators per row and block (even and odd k) fill the registers.
@@ -450,11 +580,22 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
             }
           });
 #endif
+        }
+        // The pass's rows of out: the sums plus the bias in fp32, rounded to bf16 once.
+        if (bf16_x) {
+#if LLM_HAVE_AVX512_BF16
+          bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
+          const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t j = 0; j < nbs; ++j)
+              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+#endif
+        } else {
           float* ys = out.data_ptr<float>();
           const float* bs = bias ? bias->data_ptr<float>() : nullptr;
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t n = 0; n < 16 * nbs; ++n)
-              ys[(m0 + m) * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+              ys[(m0 + m) * N + nb0 * 16 + n] = sum[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
         }
       }
     }
