@@ -78,11 +78,16 @@ def model_limits(model_dir: str, dtype: str, threads: int, quantization: str = "
             "compute_bound_tokens_per_s": peak * 1e9 / (2 * params)}
 
 
-def markdown(limits: dict) -> str:
+def markdown(limits: dict, quantization: str = "none") -> str:
+    """The limits as a sentence. With ``quantization`` w8a8 the GEMMs multiply int8, so the float GEMM peak is
+    given without the bound it would set."""
+    compute = (f"a {limits['gemm_dtype']} GEMM peak of {limits['gemm_gflops']:.0f} GFLOP/s gives at most "
+               f"{limits['compute_bound_tokens_per_s']:.0f} tokens/s at any batch")
+    if quantization == "w8a8":
+        compute = (f"w8a8's GEMMs multiply int8 and are not bound by the {limits['gemm_dtype']} GEMM peak of "
+                   f"{limits['gemm_gflops']:.0f} GFLOP/s")
     return (f"Physical limits on this machine: memory read {limits['bandwidth_gbps']:.1f} GB/s and "
             f"{limits['weight_bytes_per_step'] / 1e9:.2f} GB of {limits.get('weight_format', limits['gemm_dtype'])} "
             f"weights per step give a decode step of at least "
             f"{limits['itl_floor_ms']:.1f} ms (one stream's ITL floor; a batch of B at most "
-            f"{limits['decode_tokens_per_s_per_stream_bound']:.1f} x B tokens/s); a {limits['gemm_dtype']} GEMM "
-            f"peak of {limits['gemm_gflops']:.0f} GFLOP/s gives at most {limits['compute_bound_tokens_per_s']:.0f} "
-            f"tokens/s at any batch.")
+            f"{limits['decode_tokens_per_s_per_stream_bound']:.1f} x B tokens/s); {compute}.")

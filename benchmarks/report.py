@@ -215,7 +215,7 @@ def markdown(report: dict) -> str:
     if report.get("limits"):
         from benchmarks.limits import markdown as limits_markdown
 
-        lines += ["", limits_markdown(report["limits"])]
+        lines += ["", limits_markdown(report["limits"], report["config"].get("quantization", "none"))]
     lines += ["", "Ratios of output tokens/s:", "", "| Mode | " + " | ".join(k for k, *_ in RATIOS) + " |",
               "|---|" + "---:|" * len(RATIOS)]
     for mode, ratios in report["ratios"].items():
@@ -267,13 +267,14 @@ def page_markdown(report: dict) -> str:
     spread, the ratios to the peers round by round, latencies where a mode has them, and the checks."""
     w, c = report["workload"], report["config"]
     malloc = f"; ours in process on {c['engine_malloc']}" if c.get("engine_malloc") else ""
-    lines = [f"Model {model_name(c)}, {dtype_text(c)}, "
+    quantized = f" (ours: quantization {c['quantization']})" if c.get("quantization", "none") != "none" else ""
+    lines = [f"Model {model_name(c)}, {dtype_text(c)}{quantized}, "
              f"{report['machine'].get('torch_threads')} threads; {w['num_requests']} requests "
              f"({w['total_output_tokens']} output tokens, `ignore_eos`){malloc}.", "", *spread_table(report)]
     if report.get("limits"):
         from benchmarks.limits import markdown as limits_markdown
 
-        lines += ["", limits_markdown(report["limits"])]
+        lines += ["", limits_markdown(report["limits"], report["config"].get("quantization", "none"))]
     for mode, ratios in report["ratios"].items():
         per_round = report.get("ratios_by_round", {}).get(mode, {})
         shown = [f"{key.replace('_vs_', ' / ')} **{_ratio(value, key)}**{_rounds_text(per_round.get(key), key)}"

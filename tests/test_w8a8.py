@@ -40,6 +40,8 @@ def test_w8a8_gemm_equals_the_rounded_activations_times_the_dequantized_weights(
         x = torch.randn(m, k)
         x[0, :64] = 0  # an all-zero group
         x[-1, 5] = 40.0  # an outlier: its group's other activations round coarsely, the other groups do not
+        if m > 2:
+            x[1] = x[1].abs()  # one sign throughout (after a ReLU): the largest offsets the weights' 128 adds
         x = x.to(dtype)
         for bias in (None, torch.randn(n).to(dtype)):
             rounded = group_rounded(x)
@@ -81,6 +83,33 @@ def test_w8a8_gemm_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(batched[i:i + 1], alone), f"row {i}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_gemm_of_a_row_with_nan_is_nan(dtype):
+    packed = kernels.cpu.int8_gemm_pack(torch.randn(32, 128))
+    x = torch.randn(3, 128).to(dtype)
+    x[1, 70] = float("nan")
+    got = kernels.cpu.int8_gemm(x, packed, int8_activations=True)
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+
+
+def test_w8a8_linear_runs_int8_activations():
+    torch.manual_seed(2)
+    weight, bias, x = torch.randn(48, 128), torch.randn(48), torch.randn(5, 128)
+    w8a8 = Linear(weight, bias, quantization="w8a8")
+    int8 = Linear(weight, bias, quantization="int8")
+    assert torch.equal(w8a8.small_batch, int8.small_batch)  # the same int8 weights
+    assert torch.equal(w8a8(x), kernels.cpu.int8_gemm(x, w8a8.small_batch, bias, int8_activations=True))
+    assert not torch.equal(w8a8(x), int8(x))
+
+
+def test_w8a8_without_avx512_vnni_is_refused_with_the_reason(monkeypatch):
+    from backend import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "w8a8_gemm_available", lambda: False)
+    with pytest.raises(ValueError, match="w8a8 cannot run here.*AVX512-VNNI"):
+        Linear(torch.randn(32, 128), quantization="w8a8")
+
+
 def test_w8a8_refuses_what_the_kernel_cannot_run():
     with pytest.raises(ValueError, match="w8a8 cannot run here.*multiple of 64"):
         Linear(torch.randn(32, 96), quantization="w8a8")
@@ -92,3 +121,14 @@ def test_w8a8_refuses_what_the_kernel_cannot_run():
         EngineConfig(quantization="w4a8")
     with pytest.raises(ValueError, match="CPU kernel"):
         EngineConfig(quantization="w8a8", device="cuda")
+
+
+def test_benchmark_limits_do_not_bound_w8a8_by_the_float_gemm_peak():
+    from benchmarks.limits import markdown
+
+    limits = {"bandwidth_gbps": 30.0, "weight_bytes_per_step": 1.71e9, "weight_format": "int8", "itl_floor_ms": 57.0,
+              "decode_tokens_per_s_per_stream_bound": 17.5, "gemm_dtype": "bfloat16", "gemm_gflops": 420.0,
+              "compute_bound_tokens_per_s": 123.0}
+    assert "gives at most 123 tokens/s at any batch" in markdown(limits, "int8")
+    text = markdown(limits, "w8a8")
+    assert "123 tokens/s" not in text and "not bound by the bfloat16 GEMM peak of 420 GFLOP/s" in text

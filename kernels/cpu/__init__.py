@@ -274,8 +274,8 @@ def int8_gemm_unpack(packed: torch.Tensor, in_features: int, dtype: torch.dtype 
 
 
 def w8a8_gemm_available() -> bool:
-    """Whether :func:`int8_gemm` runs here with ``int8_activations`` (W8A8): the kernels built with AVX512-VNNI (and
-    :func:`int8_gemm_available` for the activations' dtype)."""
+    """Whether :func:`int8_gemm` runs here with ``int8_activations`` (W8A8): the kernels built with AVX512-VNNI. The
+    activations' dtype needs :func:`int8_gemm_available` too (bf16: AVX512-BF16)."""
     module = load()
     return module is not None and module.w8a8_gemm_available()
 

@@ -20,12 +20,12 @@
 // Q8_0 and vLLM's W8A8 with finer activations (their 8 bits per activation would add error; see configuration.md).
 // W8A8 (int8_gemm with int8_activations, AVX512-VNNI): the activations are rounded to int8 too, with a scale per
 // row and group of W8A8_GROUP k (as llama.cpp rounds activations to Q8_0 blocks of 32 for its integer dot products;
-// one scale per whole row, as in vLLM's dynamic per-token W8A8, cost SmolLM2-135M 2.9% perplexity, a group of 64
-// 0.5% over weight-only int8), and vpdpbusd multiplies 4 k of 16 outputs per instruction, 64 multiply-adds, with no
-// widening of the weights. vpdpbusd multiplies unsigned bytes by signed ones: the weights are taken as unsigned
-// q + 128 (their sign bit flipped), so each row's result carries 128 x its activations' sums, computed once per row
-// when it is rounded and taken off at the end (the sums over the weights instead would be one per output and group:
-// carried through the passes they cost a sixth of the time at 64 rows).
+// one scale per whole row, as in vLLM's dynamic per-token W8A8, cost SmolLM2-135M 2.9% perplexity over bf16 where
+// a group of 64 cost 0.6%, simulated on the same 2,044 tokens; on 32,704 tokens the kernel's cost is 0.62%), and
+// vpdpbusd multiplies 4 k of 16 outputs per instruction, 64 multiply-adds, with no widening of the weights. vpdpbusd multiplies unsigned bytes by signed ones: the weights are taken as unsigned
+// q + 128 (their sign bit flipped), so each group's sum carries 128 x the group's activation sum, computed once per
+// row and group when the row is rounded and set as the group's starting sum (the sums over the weights instead
+// would be one per output and group: carried through the passes they cost a sixth of the time at 64 rows).
 #include "common.h"
 
 #include <ATen/Parallel.h>
@@ -33,6 +33,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -284,29 +285,30 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 #if LLM_HAVE_AVX512_VNNI
 // Rows x [M, K] (fp32 or bf16; K % W8A8_GROUP == 0) rounded to int8 per group of W8A8_GROUP k: q[m][k] =
 // round(x[m][k] * (127 / a)) (ties to even, |q| <= 127), scales[m][g] = a / 127 (1 for an all-zero group), a = max |x|
-// over the group; scales [M, K / W8A8_GROUP]. offsets[m] = sum_g scales[m][g] * 128 * sum_{k in g} q[m][k] (fp32, in g
-// order): what the weights' offset of 128 adds to each of row m's results (w8a8_block).
+// over the group (NaN where the group holds a NaN, so that the results are NaN as x's float product would be);
+// scales [M, K / W8A8_GROUP]. starts[m][g] = -128 * sum_{k in g} q[m][k]: the group's sum in w8a8_block starts there,
+// which takes off what the weights' offset of 128 adds.
 template <typename T>
-inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, float* scales, float* offsets) {
-  const int64_t groups = K / W8A8_GROUP;
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      float offset = 0.f;
-      for (int64_t i = m * groups; i < (m + 1) * groups; ++i) {  // group i at x + i * W8A8_GROUP
-        const T* v = x + i * W8A8_GROUP;
-        float amax = 0.f;
-        for (int64_t k = 0; k < W8A8_GROUP; ++k) amax = std::max(amax, std::fabs(to_float(v[k])));
-        scales[i] = amax > 0.f ? amax / 127.f : 1.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int64_t k = 0; k < W8A8_GROUP; ++k) {
-          const int32_t r = static_cast<int32_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_float(v[k]) * inv))));
-          q[i * W8A8_GROUP + k] = static_cast<int8_t>(r);
-          sum += r;
-        }
-        offset = std::fma(scales[i], static_cast<float>(128 * sum), offset);
+inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, float* scales, int32_t* starts) {
+  at::parallel_for(0, M * K / W8A8_GROUP, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // group i: row i / (K / W8A8_GROUP), at x + i * W8A8_GROUP
+      const T* v = x + i * W8A8_GROUP;
+      float amax = 0.f;
+      bool nan = false;
+      for (int64_t k = 0; k < W8A8_GROUP; ++k) {
+        const float a = std::fabs(to_float(v[k]));
+        amax = std::max(amax, a);
+        nan |= a != a;
       }
-      offsets[m] = offset;
+      scales[i] = nan ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? amax / 127.f : 1.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < W8A8_GROUP; ++k) {
+        const int32_t r = static_cast<int32_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_float(v[k]) * inv))));
+        q[i * W8A8_GROUP + k] = static_cast<int8_t>(r);
+        sum += r;
+      }
+      starts[i] = -128 * sum;
     }
   });
 }
@@ -316,13 +318,14 @@ inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, floa
 alignas(64) constexpr int16_t QUAD_WORDS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-// int8 rows q[0..MB) (K apart; group scales xs, K / W8A8_GROUP per row, offsets from quantize_groups_s8) against NB
-// consecutive int8 blocks: c[m * 64 + 16 * j + n] = scale_j[n] * (sum_g xs[m][g] * sum_{k in g} q[m][k] (q_j[n][k] +
-// 128) - offsets[m]) = scale_j[n] * sum_g xs[m][g] * sum_{k in g} q[m][k] q_j[n][k] up to fp32 rounding. A group's
-// sums are exact in int32 (|sum| <= 127 * 255 * 64); the groups are added in fp32 in k order (in c, so a row's result
-// is the same whatever MB and NB).
+// int8 rows q[0..MB) (K apart; group scales xs and starting sums starts, K / W8A8_GROUP per row, from
+// quantize_groups_s8) against NB consecutive int8 blocks: c[m * 64 + 16 * j + n] = scale_j[n] * sum_g xs[m][g] *
+// (starts[m][g] + sum_{k in g} q[m][k] (q_j[n][k] + 128)) = scale_j[n] * sum_g xs[m][g] * sum_{k in g} q[m][k]
+// q_j[n][k]. A group's sum is exact in int32 (|partial sums| <= 127 * 255 * 64 + 128 * 127 * 64) and in its fp32
+// conversion (< 2^24); the groups are added in fp32 in k order (in c, so a row's result is the same whatever MB and
+// NB).
 template <int MB, int NB>
-inline void w8a8_block(const int8_t* q, const float* xs, const float* offsets, int64_t K, const int8_t* w,
+inline void w8a8_block(const int8_t* q, const float* xs, const int32_t* starts, int64_t K, const int8_t* w,
                        int64_t stride, float* c, const char* pf = nullptr, int64_t pf_lines = 0) {
   const int64_t quads = K / 4, groups = K / W8A8_GROUP;
   const int64_t pf_step = pf ? (pf_lines + quads - 1) / quads : 0;
@@ -332,8 +335,10 @@ inline void w8a8_block(const int8_t* q, const float* xs, const float* offsets, i
     for (int j = 0; j < NB; ++j) _mm512_store_ps(c + m * 64 + 16 * j, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512i sums[MB][NB];
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NB; ++j) sums[m][j] = _mm512_setzero_si512();
+    for (int m = 0; m < MB; ++m) {
+      const __m512i start = _mm512_set1_epi32(starts[m * groups + g]);
+      for (int j = 0; j < NB; ++j) sums[m][j] = start;
+    }
     for (int64_t p = g * (W8A8_GROUP / 4); p < (g + 1) * (W8A8_GROUP / 4); ++p) {
       prefetch_share(pf, pf_lines, pf_step, p);
       __m512i wv[NB];
@@ -356,10 +361,7 @@ inline void w8a8_block(const int8_t* q, const float* xs, const float* offsets, i
   }
   for (int j = 0; j < NB; ++j) {
     const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
-    for (int m = 0; m < MB; ++m) {
-      float* cj = c + m * 64 + 16 * j;
-      _mm512_store_ps(cj, _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(cj), _mm512_set1_ps(offsets[m])), scale));
-    }
+    for (int m = 0; m < MB; ++m) _mm512_store_ps(c + m * 64 + 16 * j, _mm512_mul_ps(_mm512_load_ps(c + m * 64 + 16 * j), scale));
   }
 }
 #endif
@@ -492,11 +494,12 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #if LLM_HAVE_AVX512_VNNI
   // W8A8: the rows rounded to int8 once per call, a scale per group of W8A8_GROUP k.
   std::vector<int8_t> xq8(int8_activations ? M * K : 0);
-  std::vector<float> x_group_scales(int8_activations ? M * K / W8A8_GROUP : 0), x_offsets(int8_activations ? M : 0);
+  std::vector<float> x_group_scales(int8_activations ? M * K / W8A8_GROUP : 0);
+  std::vector<int32_t> x_group_starts(int8_activations ? M * K / W8A8_GROUP : 0);
   if (int8_activations) {
     if (bf16_x) quantize_groups_s8(reinterpret_cast<const bf16*>(x.data_ptr()), M, K, xq8.data(), x_group_scales.data(),
-                                   x_offsets.data());
-    else quantize_groups_s8(x.data_ptr<float>(), M, K, xq8.data(), x_group_scales.data(), x_offsets.data());
+                                   x_group_starts.data());
+    else quantize_groups_s8(x.data_ptr<float>(), M, K, xq8.data(), x_group_scales.data(), x_group_starts.data());
   }
 #endif
   std::atomic<int64_t> taken{0};
@@ -530,13 +533,13 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #if LLM_HAVE_AVX512_VNNI
           const int8_t* xr = xq8.data() + m0 * K;
           const float* sr = x_group_scales.data() + m0 * (K / W8A8_GROUP);
-          const float* offsets = x_offsets.data() + m0;
+          const int32_t* starts = x_group_starts.data() + m0 * (K / W8A8_GROUP);
           with_constant<8>(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
             for (int64_t j = 0; j < nbs; j += 2) {
-              if (j + 1 < nbs) w8a8_block<MB, 2>(xr, sr, offsets, K, w + j * stride, stride, c + 16 * j,
+              if (j + 1 < nbs) w8a8_block<MB, 2>(xr, sr, starts, K, w + j * stride, stride, c + 16 * j,
                                                  j ? nullptr : pf, j ? 0 : pf_lines);
-              else w8a8_block<MB, 1>(xr, sr, offsets, K, w + j * stride, stride, c + 16 * j);
+              else w8a8_block<MB, 1>(xr, sr, starts, K, w + j * stride, stride, c + 16 * j);
             }
           });
 #endif
