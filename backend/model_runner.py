@@ -64,7 +64,7 @@ class ModelRunner:
         ``w8a8`` (the compact decoder's linears as int8 weights; needs ``compact``).
 
         Raises:
-            ValueError: ``int8`` without the compact decoder, or where its kernel cannot run."""
+            ValueError: ``int8`` / ``w8a8`` without the compact decoder, or where its kernel cannot run."""
         self.block_size = block_size
         self.attn_backend = attn_backend
         self.thread_binder = ThreadBinder(cpu_threads)  # pins the stepping thread's torch threads (CPU only)

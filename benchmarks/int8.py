@@ -90,7 +90,8 @@ def greedy_agreement(max_tokens: int, dtype: str, quantization: str = "int8") ->
 STREAMED_BYTES = 128 << 20  # more than the L3 caches of the CPUs this runs on (32 MiB on the reference machine)
 
 
-def layer_gemm_ms(shape: str, rows: list[int], repeats: int) -> list[tuple[int, float | None, float, float, float, float]]:
+def layer_gemm_ms(shape: str, rows: list[int],
+                  repeats: int) -> list[tuple[int, float | None, float, float, float, float]]:
     """Per row count: (rows, W8A8 ms or None where the kernels have no int8 activations, int8 ms, bf16 ms, fp32 ms,
     fp32 oneDNN ms) for one decoder layer's four GEMMs, best of
     ``repeats`` runs over enough copies of the layer to stream :data:`STREAMED_BYTES` of int8 weights, divided by

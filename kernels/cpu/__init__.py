@@ -52,8 +52,8 @@ CFLAGS = ["-O3", f"-march={os.environ.get('LLM_CPU_KERNELS_MARCH') or 'native'}"
           "-mprefer-vector-width=512", "-fopenmp"]
 FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "small_gemm_available",
              "small_gemm_max_rows", "small_gemm_pack", "small_gemm", "int8_gemm_available", "int8_gemm_max_rows",
-             "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "w8a8_gemm_available", "w8a8_group_size", "rms_norm", "fused_add_rms_norm",
-             "rotary_embedding", "silu_and_mul", "decode_layers",
+             "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "w8a8_gemm_available", "w8a8_group_size",
+             "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "decode_layers",
              "bind_threads", "argmax_rows", "greedy_head_available", "greedy_head", "exit_when_orphaned"]
 
 

@@ -22,8 +22,9 @@
 // row and group of W8A8_GROUP k (as llama.cpp rounds activations to Q8_0 blocks of 32 for its integer dot products;
 // one scale per whole row, as in vLLM's dynamic per-token W8A8, cost SmolLM2-135M 2.9% perplexity over bf16 where
 // a group of 64 cost 0.6%, simulated on the same 2,044 tokens; on 32,704 tokens the kernel's cost is 0.62%), and
-// vpdpbusd multiplies 4 k of 16 outputs per instruction, 64 multiply-adds, with no widening of the weights. vpdpbusd multiplies unsigned bytes by signed ones: the weights are taken as unsigned
-// q + 128 (their sign bit flipped), so each group's sum carries 128 x the group's activation sum, computed once per
+// vpdpbusd multiplies 4 k of 16 outputs per instruction, 64 multiply-adds, with no widening of the weights.
+// vpdpbusd multiplies unsigned bytes by signed ones: the weights are taken as unsigned q + 128 (their sign bit
+// flipped), so each group's sum carries 128 x the group's activation sum, computed once per
 // row and group when the row is rounded and set as the group's starting sum (the sums over the weights instead
 // would be one per output and group: carried through the passes they cost a sixth of the time at 64 rows).
 #include "common.h"
@@ -343,7 +344,8 @@ inline void w8a8_block(const int8_t* q, const float* xs, const int32_t* starts, 
       prefetch_share(pf, pf_lines, pf_step, p);
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j)
-        wv[j] = _mm512_xor_si512(_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(w + j * stride + 64 * p)), sign);
+        wv[j] = _mm512_xor_si512(
+            _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(w + j * stride + 64 * p)), sign);
       for (int m = 0; m < MB; ++m) {
         int32_t quad;
         std::memcpy(&quad, q + m * K + 4 * p, sizeof(quad));
@@ -361,7 +363,10 @@ inline void w8a8_block(const int8_t* q, const float* xs, const int32_t* starts, 
   }
   for (int j = 0; j < NB; ++j) {
     const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
-    for (int m = 0; m < MB; ++m) _mm512_store_ps(c + m * 64 + 16 * j, _mm512_mul_ps(_mm512_load_ps(c + m * 64 + 16 * j), scale));
+    for (int m = 0; m < MB; ++m) {
+      float* cj = c + m * 64 + 16 * j;
+      _mm512_store_ps(cj, _mm512_mul_ps(_mm512_load_ps(cj), scale));
+    }
   }
 }
 #endif
