@@ -1,5 +1,6 @@
-"""Compiles structured-output constraints into grammars, once per distinct constraint (an LRU cache), each
-compile in a worker process with a deadline (``compile_worker``), killed when it passes it."""
+"""Compiles structured-output constraints into grammars, once per distinct constraint (an LRU cache): each
+first in a worker process with a deadline (``compile_worker``), killed when it passes it, then, once it has
+compiled in time there, here."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from backend.background import BACKGROUND_NICE
+from backend.background import BACKGROUND_NICE, lower_this_thread_priority
 from backend.errors import EngineOverloadedError
-from backend.structured_output.compile_worker import read_frame, write_frame
+from backend.structured_output.compile_worker import compile_constraint, read_frame, write_frame
 from backend.structured_output.params import StructuredOutputsParams
 from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
 
@@ -44,13 +45,16 @@ class GrammarCompiler:
     only once its grammar is ready, and an invalid constraint fails that request alone. A JSON schema is
     first checked (:func:`~backend.structured_output.schema_check.check_json_schema`: every keyword enforced,
     size, depth and keyword count bounded), a regex too (:func:`~backend.structured_output.schema_check.check_regex`).
-    The compile itself runs in one of ``compile_threads`` worker processes (``compile_worker``, each fed by a
+    The compile first runs in one of ``compile_threads`` worker processes (``compile_worker``, each fed by a
     thread here) at a lower CPU priority (nice 5, ``backend/background.py``: the step's threads go first). Its
     deadline, ``compile_timeout``, is in CPU seconds of that process, so a constraint gets the same verdict on a
     busy machine as on an idle one: a compile that uses them all is refused, its process is killed (xgrammar's
     compile cannot be interrupted; the next compile starts a new process), and the refusal is cached like a
-    grammar, so the same constraint is refused at once next time. The caller waits at most
-    :data:`BUSY_WALL_FACTOR` times ``compile_timeout`` in wall time (then a 503).
+    grammar, so the same constraint is refused at once next time. One that compiled in time there is compiled
+    again on the feeding thread (nice 5 too; xgrammar releases the GIL), which then takes about as long: a
+    compiled grammar's JSON can be a hundred times the size and ten times the compile time to pass between
+    processes (``compile_worker``). The caller waits at most :data:`BUSY_WALL_FACTOR` times ``compile_timeout``
+    in wall time (then a 503).
 
     The tokenizer's vocabulary is read on first use (about 1 s for a 49k-token BPE vocabulary), so engines
     whose requests never ask for structured outputs pay nothing.
@@ -202,10 +206,8 @@ class GrammarCompiler:
                 raise EngineOverloadedError(f"the grammar compile ended without a result (wait status {status}); "
                                             f"try again later")
             kind, payload = reply[:1], reply[1:].decode(errors="replace")
-            if kind == b"G":
-                import xgrammar
-
-                compiled = xgrammar.CompiledGrammar.deserialize_json(payload, self._tokenizer_info[0])
+            if kind == b"G":  # it compiles in time: compiled here again (the same call, deterministic)
+                compiled = compile_constraint(self._local_compiler(), *_xgrammar_call(job.params))
                 self._store(job.key, compiled, from_compile=True)
                 job.future.set_result(compiled)
             elif kind == b"I":
@@ -252,7 +254,8 @@ class GrammarCompiler:
 
     def _work(self, jobs: queue.SimpleQueue) -> None:
         """A worker thread: starts its process at once (every worker's at the first compile, together: importing
-        xgrammar takes seconds), then compiles the jobs it takes."""
+        xgrammar takes seconds), then compiles the jobs it takes, at the background priority."""
+        lower_this_thread_priority()
         try:
             process = self._start_process()
         except Exception:  # started again, and reported, with the first job
@@ -289,6 +292,13 @@ class GrammarCompiler:
     def worker_pids(self) -> list[int]:
         """The process ids of the compile processes running now (for tests and tools)."""
         return [process.pid for process in list(self._processes.values()) if process.alive()]
+
+    def _local_compiler(self):
+        """A new ``xgrammar.GrammarCompiler`` in this process for the tokenizer (microseconds; one per compile,
+        so the worker threads share none; its own cache is off: this class caches)."""
+        import xgrammar
+
+        return xgrammar.GrammarCompiler(self._get_tokenizer_info()[0], max_threads=1, cache_enabled=False)
 
     def _get_tokenizer_info(self):
         """The tokenizer's ``xgrammar.TokenizerInfo`` and its JSON (what a compile process starts from)."""
