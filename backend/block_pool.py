@@ -165,6 +165,19 @@ class BlockPool:
             del self._copies[block_hash]
         return False
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the content of every block, so that no later prompt finds any (vLLM's
+        ``reset_prefix_cache``): only while no block is in use, since a running request's blocks are its own
+        K/V. Returns True when reset (recording ``ALL_BLOCKS_CLEARED``), False, changing nothing, otherwise."""
+        if self.num_used_blocks > 0:
+            return False
+        self._cached.clear()
+        self._keys.clear()
+        self._copies.clear()
+        if self.events is not None:
+            self.events.append((ALL_BLOCKS_CLEARED,))
+        return True
+
     def cached_hashes(self) -> set[bytes]:
         """The hashes of every block whose content is findable now (for tests and tools)."""
         return set(self._cached)

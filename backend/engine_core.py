@@ -302,6 +302,11 @@ class EngineCore:
         """Makes the block pool record its stored/removed/cleared events (``BlockPool.enable_events``)."""
         self.kv_cache_manager.pool.enable_events()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block's content when no request holds blocks (``BlockPool.reset_prefix_cache``);
+        False, changing nothing, while one does."""
+        return self.kv_cache_manager.pool.reset_prefix_cache()
+
     def take_kv_events(self) -> list[tuple]:
         """The block pool's events since the last call, oldest first (``BlockPool.take_events``)."""
         return self.kv_cache_manager.pool.take_events()

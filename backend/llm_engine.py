@@ -287,6 +287,12 @@ class LLMEngine:
         with self._step_lock:
             return self.engine_core.snapshot()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every prefix-cached block (vLLM's ``LLMEngine.reset_prefix_cache``), between steps. Only
+        while no request holds blocks: returns False, changing nothing, while one does; True once reset."""
+        with self._step_lock:
+            return self.engine_core.reset_prefix_cache()
+
     # -- the loop -----------------------------------------------------------------------------------
     def start(self) -> None:
         """Starts the background loop thread (idempotent). After a ``shutdown`` whose loop was still in a

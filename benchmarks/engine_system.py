@@ -100,6 +100,10 @@ class EngineSystem:
         # A slot per request in flight: unbounded except in the closed loop, where the feeder waits for one.
         slots = threading.Semaphore(self.concurrency if mode == "concurrent" else len(records))
         preempted_before = engine.stats().num_preemptions
+        # Every mode starts with nothing cached: the modes send the same prompts (and llama.cpp's server starts
+        # afresh for each), so a later mode would otherwise skip the prefill of every prompt.
+        if not engine.reset_prefix_cache():
+            raise RuntimeError("the engine still holds KV blocks before a run")
         trace = StepTrace(engine)
         engine.start()
         start = time.perf_counter()

@@ -1,12 +1,15 @@
 """int8 weights (``quantization int8``, and ``w8a8`` with int8 activations too): what they cost in quality and what
 they save in time.
 
-``python -m benchmarks.int8 quality [--windows N] [--window-tokens T] [--max-tokens N]``: the perplexity of the
+``python -m benchmarks.int8 quality [--windows N] [--window-tokens T] [--max-tokens N] [--llamacpp]``: the perplexity of the
 default model (SmolLM2-135M-Instruct) on the benchmark's English corpus (``benchmarks.workload.corpus_text``) with
 the engine in fp32, bf16 and with int8 weights (bf16 activations where the kernels take them: AVX512-BF16, or AVX2 through the fp32 path),
 each window's tokens scored by its own prefill (prompt logprobs), and how many of
 :data:`benchmarks.dtype_agreement.PROMPTS`' greedy outputs int8 leaves identical to the same activations' float
-weights; where the kernels take int8 activations (AVX512-VNNI) the same for ``w8a8``.
+weights; where the kernels take int8 activations (AVX512-VNNI) the same for ``w8a8``. With ``--llamacpp``, also
+llama.cpp's own perplexity (``llama-perplexity``, built by ``make llamacpp``) of the same model converted to a
+GGUF in bf16 and quantized to Q8_0 and Q4_0, on the same corpus in windows of the same length: each tool's
+quantized weights are compared with its own bf16 (the two tools score windows differently).
 
 ``python -m benchmarks.int8 gemm [--shape NAME] [--rows 1,4,16,64] [--repeats N]``: one decoder layer's GEMMs
 (QKV, O, gate-up, down) of a shape of ``benchmarks.shapes`` with random weights, in ms per layer (best of
@@ -30,9 +33,10 @@ import torch
 from backend import EngineConfig, LLMEngine, SamplingParams
 
 
-def perplexity(quantization: str, dtype: str, windows: list[list[int]]) -> float:
-    """exp of the mean negative log-likelihood of every window's tokens after its first, scored by the engine
-    (``dtype``, ``quantization``) as prompt logprobs; each window is its own request (no shared cache)."""
+def perplexity(quantization: str, dtype: str, windows: list[list[int]], score_from: int = 1) -> float:
+    """exp of the mean negative log-likelihood of every window's tokens from index ``score_from`` on (1: all
+    after the first), scored by the engine (``dtype``, ``quantization``) as prompt logprobs; each window is its own
+    request (no shared cache). ``score_from`` = half the window + 1 scores the tokens ``llama-perplexity`` does."""
     engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_blocks=1024,
                                     enable_prefix_caching=False))
     try:
@@ -47,7 +51,7 @@ def perplexity(quantization: str, dtype: str, windows: list[list[int]]) -> float
                 out = sink.get_nowait()
                 if out.prompt_logprobs is not None:
                     entries = out.prompt_logprobs
-            for entry in entries[1:]:
+            for entry in entries[score_from:]:
                 total -= entry.logprob
                 count += 1
         return math.exp(total / count)
@@ -85,6 +89,33 @@ def greedy_agreement(max_tokens: int, dtype: str, quantization: str = "int8") ->
     diverged = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                 for a, b in zip(*outputs) if a != b]
     return len(PROMPTS) - len(diverged), len(PROMPTS), sorted(diverged)
+
+
+def llamacpp_quality(windows: int, window_tokens: int) -> None:
+    """Prints llama.cpp's perplexity of the default model with bf16, Q8_0 and Q4_0 weights on the benchmark
+    corpus, and each quantized one's change against bf16; first ours (bf16 activations) scoring the same tokens
+    (each window's second half)."""
+    from backend.model_loader import resolve_model_dir
+    from benchmarks.llamacpp_system import ensure_gguf, ensure_llamacpp, llamacpp_perplexity
+    from benchmarks.workload import corpus_text
+
+    from kernels import cpu
+
+    bin_dir, model_dir, text = ensure_llamacpp(), resolve_model_dir(None), corpus_text()
+    scored = corpus_windows(windows, window_tokens)
+    base = None
+    for quantization in ("none", "int8", "w8a8") if cpu.w8a8_gemm_available() else ("none", "int8"):
+        value = perplexity(quantization, "bfloat16", scored, score_from=window_tokens // 2 + 1)
+        base = value if base is None else base
+        change = "" if quantization == "none" else f" ({(value / base - 1) * 100:+.2f}% against its bf16)"
+        print(f"perplexity ours {quantization}, bf16, second halves scored (as llama.cpp): {value:.4f}{change}")
+    base = None
+    for quant in (None, "q8_0", "q4_0"):
+        gguf = ensure_gguf(model_dir, "bfloat16", quant, bin_dir=bin_dir)
+        value = llamacpp_perplexity(gguf, text, window_tokens, windows, torch.get_num_threads(), bin_dir)
+        base = value if base is None else base
+        change = "" if quant is None else f" ({(value / base - 1) * 100:+.2f}% against its bf16)"
+        print(f"llama.cpp perplexity {quant or 'bf16'}: {value:.4f}{change}")
 
 
 STREAMED_BYTES = 128 << 20  # more than the L3 caches of the CPUs this runs on (32 MiB on the reference machine)
@@ -165,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     quality.add_argument("--windows", type=int, default=8, help="corpus windows scored (default 8)")
     quality.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default 512)")
     quality.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt (default 48)")
+    quality.add_argument("--llamacpp", action="store_true",
+                         help="also llama.cpp's perplexity with bf16, Q8_0 and Q4_0 weights (builds llama.cpp once)")
     gemm = sub.add_parser("gemm", help="one decoder layer's GEMMs: int8 vs bf16 vs fp32 weights")
     gemm.add_argument("--shape", default="smollm2-1.7b", help="a shape of benchmarks.shapes (default smollm2-1.7b)")
     gemm.add_argument("--rows", default="1,4,16,64", help="comma-separated row counts (default 1,4,16,64)")
@@ -187,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             same, total, diverged = greedy_agreement(args.max_tokens, dtype, quantization)
             print(f"greedy {quantization} vs {dtype} weights ({dtype} activations): identical {same} of {total}; "
                   f"first divergence at output tokens {diverged}")
+        if args.llamacpp:
+            llamacpp_quality(args.windows, args.window_tokens)
     else:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
         print(f"one layer of {args.shape}, ms (best of {args.repeats}, {torch.get_num_threads()} threads)")

@@ -2,7 +2,7 @@
 
 Build (once, :func:`ensure_llamacpp`): the PyPI sdist of ``llama-cpp-python`` vendors llama.cpp's sources
 (``vendor/llama.cpp``: ``tools/server``, ``convert_hf_to_gguf.py``, ``gguf-py``, and its git metadata, so the
-commit is known); ``llama-server`` and ``llama-quantize`` are built from it with cmake (Release,
+commit is known); ``llama-server``, ``llama-quantize`` and ``llama-perplexity`` are built from it with cmake (Release,
 ``GGML_NATIVE=ON``: the build machine's own instruction set; no TLS, no web UI, no tests or examples) into
 ``build/llama.cpp/``.
 
@@ -52,7 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", REPO_ROOT / "build" / "llama.cpp"))
 LLAMACPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMACPP_PYTHON_VERSION}"
-TARGETS = ("llama-server", "llama-quantize")
+TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 # cmake options: a Release build for this CPU, only what the server and the quantizer need, nothing fetched.
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
@@ -194,6 +194,30 @@ def ensure_gguf(model_dir: str | Path, dtype: str, quant: str | None = None, roo
     return target
 
 
+def llamacpp_perplexity(gguf: Path, text: str, window_tokens: int, windows: int, threads: int,
+                        bin_dir: Path | None = None) -> float:
+    """llama.cpp's own perplexity of ``gguf`` on ``text`` (``llama-perplexity``): the text tokenized by the GGUF's
+    tokenizer, cut into ``windows`` chunks of ``window_tokens``, each chunk's second half scored with its first
+    half as context (llama.cpp's method; ours scores every token of a window after its first, so compare each
+    tool's ratio to its own float weights, not the values across tools).
+
+    Raises:
+        subprocess.CalledProcessError: ``llama-perplexity`` failed (its output is in the exception).
+        RuntimeError: its output has no final estimate.
+    """
+    tool = (bin_dir or ensure_llamacpp()) / "llama-perplexity"
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as corpus:
+        corpus.write(text)
+        corpus.flush()
+        done = subprocess.run([str(tool), "-m", str(gguf), "-f", corpus.name, "-c", str(window_tokens),
+                               "-b", str(window_tokens), "--chunks", str(windows), "-t", str(threads)],
+                              capture_output=True, text=True, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if found is None:
+        raise RuntimeError(f"llama-perplexity printed no final estimate: {(done.stdout + done.stderr)[-2000:]}")
+    return float(found.group(1))
+
+
 def kv_bytes_per_token(model_dir: str | Path, kv_type: str) -> int:
     """Bytes of K and V per token of context over all layers: 2 x layers x KV heads x head dim x element size."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -325,12 +349,12 @@ class LlamaCppSystem:
             try:
                 asyncio.run(self._stream_all(url, workload.requests, records, first_tokens, start, arrivals,
                                              concurrency, mode))
-            except Exception as exc:  # a server that died mid-run: say so, with its log's tail
+            except Exception as exc:  # say what the server did, with its log's tail
                 try:
-                    status = self.process.wait(timeout=2)
+                    state = f"llama-server exited with status {self.process.wait(timeout=2)}"
                 except subprocess.TimeoutExpired:
-                    raise exc from None
-                raise RuntimeError(f"{exc}: llama-server exited with status {status}; its log ends: "
+                    state = "llama-server is still running"
+                raise RuntimeError(f"{type(exc).__name__}: {exc}: {state}; its log ends: "
                                    + self.log_path.read_text(errors="replace")[-1500:]) from exc
         finally:
             self._stop()
@@ -358,7 +382,9 @@ class LlamaCppSystem:
 
         slots = asyncio.Semaphore(concurrency or len(requests))
         bar = tqdm(total=len(requests), desc=f"llamacpp {mode}", disable=not self.config.progress, leave=False)
-        connector = aiohttp.TCPConnector(limit=0)
+        # A connection per request, closed after it: reusing a kept-alive one races the server closing it
+        # (llama-server's HTTP library ends idle and long-used connections), seen as "Server disconnected".
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None)
 
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:

@@ -2,7 +2,7 @@
 
 ``python vllm_worker.py SETTINGS.json``: builds one vLLM ``LLMEngine`` (settings: model directory, dtype,
 batching limits), prints ``@@ready``, then for each line read from stdin (``IN.json OUT.json``) runs that
-workload and prints ``@@done``. IN holds, per request, the prompt token ids, the output length and the
+workload, its prefix cache emptied first, and prints ``@@done``. IN holds, per request, the prompt token ids, the output length and the
 arrival offset (s), and ``concurrency`` (null, or the requests in flight at most: a closed loop); OUT gets, per
 request, when it was added and the time of each output token (s from the run's start), and its first 16
 output token ids. The engine is stepped here as vLLM's offline ``LLM.generate`` steps it, with
@@ -66,6 +66,7 @@ def main(settings_path: str) -> None:
     for line in sys.stdin:
         in_path, out_path = line.split()
         spec = json.loads(open(in_path).read())
+        engine.reset_prefix_cache()  # every run starts with nothing cached, as ours does
         result = run(engine, params, spec["requests"], spec.get("concurrency"))
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -61,6 +61,21 @@ def test_same_prompt_three_times_computes_only_the_last_partial_block(make_engin
     assert kv.prefix_cache_queries == 3 * len(prompt) and kv.prefix_cache_hits == 2 * 3 * BLOCK
 
 
+def test_reset_prefix_cache_forgets_every_block_but_only_while_none_is_in_use(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=64)
+    prompt = list(range(300, 300 + 2 * BLOCK + 3))
+    first = run_one(engine, prompt, request_id="a")
+    sink = engine.add_request(prompt, GREEDY, request_id="b")
+    engine.step()  # "b" holds its blocks (two of them found in the cache): no reset now
+    assert engine.reset_prefix_cache() is False
+    second = run_to_completion(engine, {"b": sink})["b"]
+    assert second[-1].num_cached_tokens == 2 * BLOCK
+    assert engine.reset_prefix_cache() is True
+    third = run_one(engine, prompt, request_id="c")
+    assert third[-1].num_cached_tokens == 0  # computed again, to the same tokens
+    assert tokens(first) == tokens(second) == tokens(third)
+
+
 def test_whole_prompt_cached_still_computes_its_last_token(make_engine, tiny_model_dir):
     engine = make_engine(tiny_model_dir, num_blocks=64)
     prompt = list(range(300, 300 + 2 * BLOCK))  # exactly two full blocks
@@ -178,3 +193,18 @@ def test_failed_forward_pass_leaves_no_blocks_in_the_prefix_cache(make_engine, t
     again = run_one(engine, prompt, request_id="again")
     assert again[-1].finish_reason == "length" and again[-1].num_cached_tokens == 0
     assert engine.stats().kv.used_blocks == 0
+
+
+def test_a_reset_block_pool_finds_nothing_and_says_so_in_its_events():
+    from backend.block_pool import ALL_BLOCKS_CLEARED, BLOCK_STORED, BlockPool
+
+    pool = BlockPool(4)
+    pool.enable_events()
+    (block,) = pool.allocate(1)
+    key = (None, (1, 2), None)
+    pool.cache(block, b"h", key)
+    assert pool.reset_prefix_cache() is False and pool.lookup(b"h", key) == block  # in use: kept
+    pool.free([block])
+    assert pool.reset_prefix_cache() is True
+    assert pool.lookup(b"h", key) is None and pool.cached_hashes() == set()
+    assert [event[0] for event in pool.take_events()] == [BLOCK_STORED, ALL_BLOCKS_CLEARED]
