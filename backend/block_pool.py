@@ -38,7 +38,7 @@ class BlockPool:
     another prompt's K/V.
 
     With ``events`` a list (:meth:`enable_events`), every change to the set of findable hashes is appended
-    to it as a tuple (``BLOCK_STORED``, ``BLOCK_REMOVED``; vLLM's KV cache events) for
+    to it as a tuple (``BLOCK_STORED``, ``BLOCK_REMOVED``, ``ALL_BLOCKS_CLEARED``; vLLM's KV cache events) for
     :meth:`take_events`: an append per registered or evicted block, nothing more on the step's path.
     """
 

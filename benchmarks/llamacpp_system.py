@@ -53,7 +53,7 @@ LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", REPO_ROOT / "build" / "llama.
 LLAMACPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMACPP_PYTHON_VERSION}"
 TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
-# cmake options: a Release build for this CPU, only what the server and the quantizer need, nothing fetched.
+# cmake options: a Release build for this CPU, only what the three tools need, nothing fetched.
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
                  "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF",
@@ -95,7 +95,8 @@ def llamacpp_built(root: Path = LLAMACPP_DIR) -> Path | None:
 
 
 def ensure_llamacpp(root: Path = LLAMACPP_DIR, jobs: int | None = None) -> Path:
-    """The directory holding ``llama-server`` and ``llama-quantize``, building them first if they are not there.
+    """The directory holding :data:`TARGETS`, building them first if one is not there (a build from before a
+    target was added builds only what is missing).
 
     The build takes 10-20 minutes on 2 cores; a marker file (``.built``, holding :func:`llamacpp_version`)
     records a finished one.
@@ -202,16 +203,18 @@ def llamacpp_perplexity(gguf: Path, text: str, window_tokens: int, windows: int,
     tool's ratio to its own float weights, not the values across tools).
 
     Raises:
-        subprocess.CalledProcessError: ``llama-perplexity`` failed (its output is in the exception).
-        RuntimeError: its output has no final estimate.
+        RuntimeError: ``llama-perplexity`` failed, or printed no final estimate (its output's tail in the message).
     """
     tool = (bin_dir or ensure_llamacpp()) / "llama-perplexity"
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as corpus:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as corpus:
         corpus.write(text)
         corpus.flush()
         done = subprocess.run([str(tool), "-m", str(gguf), "-f", corpus.name, "-c", str(window_tokens),
                                "-b", str(window_tokens), "--chunks", str(windows), "-t", str(threads)],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-perplexity exited with status {done.returncode}: "
+                           f"{(done.stdout + done.stderr)[-2000:]}")
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
     if found is None:
         raise RuntimeError(f"llama-perplexity printed no final estimate: {(done.stdout + done.stderr)[-2000:]}")

@@ -66,7 +66,8 @@ def main(settings_path: str) -> None:
     for line in sys.stdin:
         in_path, out_path = line.split()
         spec = json.loads(open(in_path).read())
-        engine.reset_prefix_cache()  # every run starts with nothing cached, as ours does
+        if not engine.reset_prefix_cache():  # every run starts with nothing cached, as ours does
+            raise RuntimeError("vLLM did not reset its prefix cache before a run")
         result = run(engine, params, spec["requests"], spec.get("concurrency"))
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -111,3 +111,23 @@ def test_a_compile_past_its_deadline_is_killed_and_the_next_one_runs_at_once(com
         time.sleep(0.05)
     with pytest.raises(ValueError, match=r"compiling it took over 0.5 s of CPU time"):
         compiler.compile(StructuredOutputsParams(json=SLOW_SCHEMA))  # refused at once from the cache
+
+
+def test_a_compile_that_fails_in_this_process_after_its_worker_compiled_it_is_an_error_not_cached(
+        compiler, monkeypatch):
+    """The worker process compiles the constraint in time; the second compile, here, fails (say, out of memory):
+    the caller gets the error, nothing is cached, and the same constraint compiles once this process can."""
+    import backend.structured_output.compiler as compiler_module
+
+    real = compiler_module.compile_constraint
+
+    def failing(*args):
+        raise RuntimeError("[10:00:00] /project/cpp/x.cc:1: out of memory")
+
+    params = StructuredOutputsParams(regex="[a-c]{3}")
+    monkeypatch.setattr(compiler_module, "compile_constraint", failing)
+    with pytest.raises(RuntimeError, match=r"^the grammar compile failed: out of memory$"):
+        compiler.compile(params)
+    assert not compiler.is_cached(params)
+    monkeypatch.setattr(compiler_module, "compile_constraint", real)
+    assert compiler.compile(params) is not None and compiler.is_cached(params)

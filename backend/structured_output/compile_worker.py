@@ -13,9 +13,10 @@ in both directions are frames: an 8-byte big-endian length, then that many bytes
 - Parent to worker, then, per compile: JSON ``[method, argument, cpu_seconds]``, method one of ``json_schema``,
   ``regex``, ``grammar`` (EBNF); the child gets ``cpu_seconds`` (whole seconds) as its CPU time limit
   (``RLIMIT_CPU``: the kernel ends it with SIGXCPU there), so a compile nobody waits for any more ends too.
-- Worker to parent, per compile: ``P`` + the child's process id (ASCII) when it starts; then ``G`` when it
-  compiled within its CPU time, or ``I`` + xgrammar's message (the constraint is invalid or unsupported), or
-  ``E`` + a message (anything else), or ``K`` + the child's wait status when it ended without a reply (killed).
+- Worker to parent, per compile: ``P`` + the child's process id (ASCII) when it starts; then ``G`` + the CPU
+  seconds the compile took (ASCII) when it compiled, or ``I`` + xgrammar's message (the constraint is invalid or
+  unsupported), or ``E`` + a message (anything else), or ``K`` + the child's wait status when it ended without a
+  reply (killed).
 
 The grammar itself does not travel: the parent compiles a constraint again once its child has shown that it
 compiles in time (:func:`compile_constraint`, the same call). A compiled grammar holds a token mask per state of
@@ -137,7 +138,8 @@ def _compile(compiler, method: str, argument: str) -> bytes:
     """One compile's reply frame (in the child)."""
     try:
         compile_constraint(compiler, method, argument)
-        return b"G"
+        used = resource.getrusage(resource.RUSAGE_SELF)  # this child's own, since its fork
+        return b"G" + f"{used.ru_utime + used.ru_stime:.3f}".encode()
     except (RuntimeError, ValueError, TypeError) as exc:
         return b"I" + str(exc).encode()
     except Exception as exc:

@@ -193,7 +193,7 @@ class GrammarCompiler:
             # The kernel's limit ends a compile that nobody waits for any more (after a 503) at the deadline too.
             limit = max(1, math.ceil(self.compile_timeout))
             reply = process.compile(*_xgrammar_call(job.params), limit, on_start=job.attach)
-            job.detach()
+            job.detach(float(reply[1:] or 0) if reply is not None and reply[:1] == b"G" else 0.0)
             if reply is None:  # the worker process died (killed, or out of memory): not the constraint's fault
                 code, process = process.close(), None
                 raise EngineOverloadedError(f"the grammar compile process exited (code {code}); try again later")
@@ -206,8 +206,16 @@ class GrammarCompiler:
                 raise EngineOverloadedError(f"the grammar compile ended without a result (wait status {status}); "
                                             f"try again later")
             kind, payload = reply[:1], reply[1:].decode(errors="replace")
-            if kind == b"G":  # it compiles in time: compiled here again (the same call, deterministic)
-                compiled = compile_constraint(self._local_compiler(), *_xgrammar_call(job.params))
+            if kind == b"G" and (job.stopped or job.cpu_used >= self.compile_timeout):
+                # Its child used the deadline's CPU seconds (the kernel's limit is whole seconds), or a waiter
+                # refused it meanwhile: refused, and never compiled here.
+                job.future.set_exception(ValueError(self._too_slow(job).message))
+            elif kind == b"G":  # it compiles in time: compiled here again (the same call, deterministic)
+                try:
+                    compiled = compile_constraint(self._local_compiler(), *_xgrammar_call(job.params))
+                except (RuntimeError, ValueError, TypeError) as exc:  # compiled in the child: not cached
+                    raise RuntimeError(f"the grammar compile failed: {_NATIVE_PREFIX.sub('', str(exc))[:500]}") \
+                        from exc
                 self._store(job.key, compiled, from_compile=True)
                 job.future.set_result(compiled)
             elif kind == b"I":
@@ -278,7 +286,8 @@ class GrammarCompiler:
 
     def close(self) -> None:
         """Stops the compile threads and kills their processes; a later compile starts new ones. Compiles in
-        progress fail (their callers get an error), queued ones are answered 503 after ``compile_timeout``."""
+        progress in a worker process fail (their callers get an error; one already compiling in this process, its
+        second compile, finishes), queued ones are answered 503 after ``compile_timeout``."""
         with self._lock:
             jobs, self._jobs = self._jobs, queue.SimpleQueue()
             workers, self._workers = self._workers, []
@@ -395,6 +404,7 @@ class _Job:
         self.started = float("inf")  # time.monotonic() when a worker took it
         self.compiling_since = float("inf")  # time.monotonic() when its child began to compile
         self.stopped = False  # killed at its deadline
+        self.cpu_used = 0.0  # CPU seconds its child used, once it replied
         self._pid: int | None = None  # the process compiling it, while it does
         self._lock = threading.Lock()  # no kill once the reply is in (the process id may be reused after)
 
@@ -405,8 +415,10 @@ class _Job:
             if self.stopped:
                 _kill(pid)
 
-    def detach(self) -> None:
+    def detach(self, cpu_used: float = 0.0) -> None:
+        """The child has replied, having used ``cpu_used`` CPU seconds (what :meth:`cpu_seconds` says from now)."""
         with self._lock:
+            self.cpu_used = cpu_used
             self._pid = None
 
     def stop(self) -> None:
@@ -419,8 +431,8 @@ class _Job:
     def cpu_seconds(self) -> float:
         """CPU seconds the compile has used so far (wall seconds where its process's cannot be read)."""
         pid = self._pid
-        if pid is None:  # its process is starting (or it is done)
-            return 0.0
+        if pid is None:  # its process is starting (0), or its child is done (what it used)
+            return self.cpu_used
         used = _process_cpu_seconds(pid)
         return max(0.0, time.monotonic() - self.started) if used is None else used
 
