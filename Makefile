@@ -13,11 +13,12 @@ OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 LOADTEST_ARGS ?=
+MATRIX_ARGS ?=
 SOAK_TIME ?= 30m
 SOAK_USERS ?= 64
 DOCS_ADDR ?= 127.0.0.1:8080
 
-.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-serving-path bench-speculative llamacpp loadtest soak clean
+.PHONY: install serve test test-slow test-fast docs bench bench-peers bench-matrix bench-serving-path bench-speculative llamacpp loadtest soak clean
 
 install: $(VENV)/.installed
 
@@ -72,6 +73,11 @@ bench: install
 # Ours against vLLM's CPU build on the same workload (vLLM gets a venv of its own, .venv-vllm, on first use).
 bench-peers: install
 	$(BIN)/python -m benchmarks --systems engine,vllm --rounds 3 $(BENCH_ARGS)
+
+# Ours, vLLM and llama.cpp at every shape, offline and at 1/4/16 streams, 3 rounds, the goals as ratios
+# (hours on 2 cores): results/matrix/; MATRIX_ARGS="--publish NAME" also writes docs/performance.md.
+bench-matrix: install llamacpp
+	$(BIN)/python -m benchmarks.matrix $(MATRIX_ARGS)
 
 # llama.cpp's llama-server and llama-quantize for `--systems llamacpp`, built once into build/llama.cpp/ (10-20 min).
 llamacpp: install

@@ -26,7 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "benchmarks" / "performance_page.md"
 RESULTS = REPO_ROOT / "docs" / "results"
 PAGE = REPO_ROOT / "docs" / "performance.md"
-MARKER = re.compile(r"^<!-- result: ([a-z0-9][a-z0-9-]*) -->$", re.MULTILINE)
+RESULT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+MARKER = re.compile(rf"^<!-- result: ({RESULT_NAME.pattern}) -->$", re.MULTILINE)
 DROPPED_KEYS = ("first_tokens", "files")  # per-request data and local paths: not needed to read a figure
 
 
@@ -71,7 +72,7 @@ def generate(template: str | None = None, results: Path = RESULTS) -> str:
 
 def keep(name: str, report_path: Path, results: Path = RESULTS) -> Path:
     """Copies a report into ``docs/results/NAME.json`` without :data:`DROPPED_KEYS` (at any depth)."""
-    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
+    if not RESULT_NAME.fullmatch(name):
         raise ValueError(f"result names are lowercase letters, digits and dashes, got {name!r}")
 
     def strip(value):
