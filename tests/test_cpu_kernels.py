@@ -242,6 +242,34 @@ def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above(monkey
     assert calls == [1, limit]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_with_the_tile_layout_only_runs_prompts_through_it_in_slices(monkeypatch, dtype):
+    """A model too large for two copies keeps only small_gemm's layout (``small_batch_only``): GEMMs of more rows
+    than one call takes go through it slice by slice, and equal ``F.linear``'s up to summation order."""
+    from backend import cpu_ops
+    from backend.models.layers import Linear
+
+    limit = kernels.cpu.small_gemm_max_rows(dtype) if kernels.cpu.small_gemm_available(dtype) else 0
+    if not 0 < limit < kernels.cpu.EVERY_GEMM:
+        pytest.skip(f"small_gemm has no row limit for {dtype} here (AVX2: it takes every GEMM) or does not run")
+    torch.manual_seed(12)
+    weight, bias = (torch.randn(96, 64) * 0.1).to(dtype), (torch.randn(96) * 0.1).to(dtype)
+    linear = Linear(weight, bias, small_batch=True, small_batch_only=True)
+    assert linear.weight is None and not linear.packed and linear.small_batch is not None
+    assert Linear(weight, bias, small_batch=True).weight is not None  # without it: oneDNN's copy beside
+    calls = []
+    original = kernels.cpu.small_gemm
+    monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args),
+                        raising=False)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    for rows in (0, 1, limit, limit + 1, 2 * limit + 5):
+        x = torch.randn(rows, 64).to(dtype)
+        got = linear(x)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), F.linear(x.double(), weight.double(), bias.double()), **tolerance)
+    assert calls == [1, limit, limit, 1, limit, limit, 5]  # no rows: an empty result without a call
+
+
 def test_auto_dtype_is_bf16_only_where_it_runs_at_least_as_fast_as_fp32():
     """``dtype: auto`` on a CPU: bf16 with hardware bf16 (AVX512-BF16, AMX); on AVX2 without AVX-512, bf16 only when
     ``small_gemm`` runs it and the model's GEMMs go through the C++ kernels (else ``F.linear`` would run bf16 at

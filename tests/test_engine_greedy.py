@@ -269,3 +269,38 @@ def test_decode_layers_in_one_call_equal_the_python_layer_loop(family, dtype, nu
     if num_requests > 64 and cpu_ops.small_gemm_max_rows(getattr(torch, dtype)) > 64:
         assert max(rows for rows, _ in steps) == num_requests, steps
     assert all(equal for _, equal in steps), steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_too_large_for_two_copies_keeps_the_tile_layout_only_and_decodes_the_same(
+        dtype, monkeypatch, make_engine, tiny_model_dir, tiny_reference, tokenizer):
+    """Past ``SMALL_GEMM_WEIGHT_LIMIT_BYTES`` (0 here, so the tiny model is past it), where small_gemm runs prompts in
+    slices (AVX-512 vector units), every linear keeps only the tile layout, decode steps still run in one call, and
+    a step whose prompts exceed one slice's rows gives the reference's greedy tokens (fp32; bf16: the same tokens
+    as the engine with both copies)."""
+    from backend.models import llama
+
+    both = make_engine(tiny_model_dir, dtype=dtype, max_num_batched_tokens=1024)
+    monkeypatch.setattr(llama, "SMALL_GEMM_WEIGHT_LIMIT_BYTES", 0)
+    engine = make_engine(tiny_model_dir, dtype=dtype, max_num_batched_tokens=1024)
+    decoder = engine.engine_core.model_runner.decoder
+    head = decoder.lm_head
+    if head.small_batch is None or not llama._small_gemm_slices_prompts(decoder.embed_tokens.weight):
+        pytest.skip("small_gemm does not take prompts in slices here (AVX2 takes every GEMM; AMX slices of 64)")
+    linears = [head, *(getattr(layer, name) for layer in decoder.layers
+                       for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+    assert all(linear.weight is None and linear.small_batch is not None for linear in linears)
+    assert decoder.decode_in_one_call
+    rows = head.small_batch_rows
+    prompts = mixed_prompts(tokenizer, [120, 90, 70, 40], seed=8)
+    assert sum(map(len, prompts)) > rows  # the first step's GEMMs take more rows than one slice
+    if dtype == "float32":
+        check_all(engine, tiny_reference, prompts, 8, "tile layout only")
+    else:
+        outputs = []
+        for e in (both, engine):
+            sinks = {str(i): e.add_request(p, SamplingParams(max_tokens=8, **GREEDY), request_id=str(i))
+                     for i, p in enumerate(prompts)}
+            results = run_to_completion(e, sinks)
+            outputs.append({k: [t for out in v for t in out.token_ids] for k, v in results.items()})
+        assert outputs[0] == outputs[1] and all(len(v) == 8 for v in outputs[1].values())

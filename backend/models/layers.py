@@ -45,6 +45,9 @@ class Linear(torch.nn.Module):
             oneDNN here by streaming the weights in order (bf16 on AMX or AVX512-BF16, fp32 on AVX-512; ignored
             elsewhere); a second copy of the weight. On AVX2 without AVX-512 (fp32 and bf16): ``small_gemm`` takes
             every GEMM (``cpu_ops.EVERY_GEMM``), and its layout is the only copy (``weight`` None).
+        small_batch_only: with ``small_batch``, keep the weight in ``small_gemm``'s layout only (``weight`` None):
+            GEMMs of more rows than it takes (prompts) run through it in slices of ``small_batch_rows`` rows. For
+            models too large for two copies (:data:`backend.models.llama.SMALL_GEMM_WEIGHT_LIMIT_BYTES`).
         quantization: ``none``, or ``int8``: the weight is quantized per output channel, symmetric, to int8 with an
             fp32 scale per row (:func:`kernels.cpu.int8_gemm_pack`) and kept only in that form; every GEMM, of
             any number of rows, runs through ``cpu_ops.int8_gemm`` (``small_batch`` is then that packed weight,
@@ -60,7 +63,7 @@ class Linear(torch.nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", small_batch_only: bool = False) -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
@@ -83,7 +86,7 @@ class Linear(torch.nn.Module):
         if weight.device.type == "cpu" and small_batch and _small_gemm_fits(weight):
             self.small_batch = cpu_ops.small_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
-            if self.small_batch_rows == cpu_ops.EVERY_GEMM:  # oneDNN never runs it: one copy of the weight
+            if self.small_batch_rows == cpu_ops.EVERY_GEMM or small_batch_only:  # oneDNN never runs it: one copy
                 self.packed = False
                 weight = None
         if self.packed:
@@ -97,8 +100,11 @@ class Linear(torch.nn.Module):
             return cpu_ops.int8_gemm(x, self.small_batch, self.bias, int8_activations=self.quantization == "w8a8")
         if 0 < x.shape[0] <= self.small_batch_rows:
             return cpu_ops.small_gemm(x, self.small_batch, self.bias)
-        if self.weight is None:  # no rows (a step that samples nothing) with only small_gemm's copy
-            return x.new_empty((0, self.out_features))
+        if self.weight is None:  # only small_gemm's copy: no rows (a step that samples nothing), or a prompt's
+            if x.shape[0] == 0:
+                return x.new_empty((0, self.out_features))
+            return torch.cat([cpu_ops.small_gemm(rows, self.small_batch, self.bias)
+                              for rows in x.split(self.small_batch_rows)])
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -136,7 +142,8 @@ def _small_gemm_fits(weight: torch.Tensor) -> bool:
     return cpu_ops.small_gemm_available(weight.dtype)
 
 
-def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False, quantization: str = "none") -> Linear:
+def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False, quantization: str = "none",
+                 small_batch_only: bool = False) -> Linear:
     """One :class:`Linear` whose output is the concatenation of ``linears``' outputs (fused QKV, gate-up)."""
     weight = torch.cat([layer.weight for layer in linears], 0)
     biases = [layer.bias for layer in linears]
@@ -145,7 +152,7 @@ def fuse_linears(*linears: torch.nn.Linear, small_batch: bool = False, quantizat
     else:
         bias = torch.cat([b if b is not None else weight.new_zeros(layer.weight.shape[0])
                           for b, layer in zip(biases, linears)])
-    return Linear(weight, bias, small_batch, quantization)
+    return Linear(weight, bias, small_batch, quantization, small_batch_only)
 
 
 class RMSNorm(torch.nn.Module):

@@ -45,6 +45,9 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 # it for the small models CPUs serve; past it, oneDNN runs every GEMM. (On AVX2 without AVX-512, fp32 and bf16:
 # small_gemm runs every GEMM from the one copy, at any size.)
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
+# Past that limit, the tile layout is the only copy where small_gemm takes slices of at least this many rows: prompts
+# run through it slice by slice (docs/kernels.md).
+PROMPT_SLICE_ROWS = 256
 
 
 # With quantization int8, whether the LM head is quantized too: it is read every decode step and is a fifth of
@@ -55,7 +58,7 @@ QUANTIZE_LM_HEAD = True
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, hf_layer, config, layer_idx: int, cpu_kernels: bool, small_batch: bool = False,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", small_batch_only: bool = False) -> None:
         super().__init__()
         self.cpu_kernels = cpu_kernels
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -64,15 +67,17 @@ class DecoderLayer(torch.nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = attn.scaling
-        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj, small_batch=small_batch,
+        only = dict(small_batch_only=small_batch_only)
+        self.qkv_proj = fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj, small_batch=small_batch, **only,
                                      quantization=quantization)
-        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias, small_batch, quantization)
+        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias, small_batch, quantization, **only)
         self.q_norm = self.k_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head on q and k before the rotary embedding
             self.q_norm = RMSNorm(attn.q_norm.weight, attn.q_norm.variance_epsilon, cpu_kernels)
             self.k_norm = RMSNorm(attn.k_norm.weight, attn.k_norm.variance_epsilon, cpu_kernels)
-        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj, small_batch=small_batch, quantization=quantization)
-        self.down_proj = Linear(mlp.down_proj.weight, small_batch=small_batch, quantization=quantization)
+        self.gate_up_proj = fuse_linears(mlp.gate_proj, mlp.up_proj, small_batch=small_batch, quantization=quantization,
+                                         **only)
+        self.down_proj = Linear(mlp.down_proj.weight, small_batch=small_batch, quantization=quantization, **only)
         self.input_layernorm = RMSNorm(hf_layer.input_layernorm.weight, hf_layer.input_layernorm.variance_epsilon,
                                        cpu_kernels)
         self.post_attention_layernorm = RMSNorm(hf_layer.post_attention_layernorm.weight,
@@ -122,16 +127,21 @@ class LlamaDecoder(torch.nn.Module):
         self.embed_tokens = inner.embed_tokens
         weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         # int8 weights are packed for their own kernel only: no second copy in the tile layout. Where small_gemm
-        # takes every GEMM (AVX2 without AVX-512), its layout is the only copy, whatever the size.
+        # takes every GEMM (AVX2 without AVX-512), its layout is the only copy, whatever the size. Past the limit,
+        # where it runs prompts in slices at about oneDNN's rate (AVX-512 vector units), its layout is the only copy
+        # too: decode steps stream the weights, prompts go through it in slices.
+        head = hf_model.lm_head.weight
+        small_batch_only = (cpu_kernels and quantization == "none" and weight_bytes > SMALL_GEMM_WEIGHT_LIMIT_BYTES
+                            and not _small_gemm_takes_every_gemm(head) and _small_gemm_slices_prompts(head))
         small_batch = cpu_kernels and quantization == "none" and (
-            weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES or _small_gemm_takes_every_gemm(hf_model.lm_head.weight))
+            weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES or _small_gemm_takes_every_gemm(head) or small_batch_only)
         self.quantization = quantization
-        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch, quantization)
-                                          for i, layer in enumerate(inner.layers))
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch, quantization,
+                                                       small_batch_only) for i, layer in enumerate(inner.layers))
         self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
         lm_bias = getattr(hf_model.lm_head, "bias", None)
         head_quantization = quantization if QUANTIZE_LM_HEAD else "none"
-        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization)
+        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization, small_batch_only)
         # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
         self.greedy_head = None
         if (self.lm_head.small_batch is not None and self.lm_head.quantization == "none" and lm_bias is None
@@ -215,6 +225,13 @@ def _small_gemm_takes_every_gemm(weight: torch.Tensor) -> bool:
     AVX2 without AVX-512)."""
     return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
             and cpu_ops.small_gemm_max_rows(weight.dtype) == cpu_ops.EVERY_GEMM)
+
+
+def _small_gemm_slices_prompts(weight: torch.Tensor) -> bool:
+    """Whether ``cpu_ops.small_gemm`` takes slices of at least :data:`PROMPT_SLICE_ROWS` rows for ``weight``'s dtype
+    here (AVX-512 vector units; AMX tiles take 64), where prompts in slices run at about oneDNN's rate."""
+    return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
+            and PROMPT_SLICE_ROWS <= cpu_ops.small_gemm_max_rows(weight.dtype) < cpu_ops.EVERY_GEMM)
 
 
 def _greedy_head_fits(weight: torch.Tensor) -> bool:

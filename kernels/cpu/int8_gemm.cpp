@@ -399,7 +399,7 @@ torch::Tensor int8_gemm_pack(torch::Tensor weight) {
               "int8_gemm_pack: fp32 or bf16 [N, K], N % 16 == 0, K even");
   const int64_t N = weight.size(0), K = weight.size(1), NB = N / 16, stride = 16 * K + llm_cpu::INT8_SCALE_BYTES;
   torch::Tensor w = weight.to(at::kFloat).contiguous();
-  torch::Tensor packed = torch::empty({NB, stride}, weight.options().dtype(at::kChar));
+  torch::Tensor packed = llm_cpu::empty_on_huge_pages({NB, stride}, weight.options().dtype(at::kChar));
   const float* ws = w.data_ptr<float>();
   int8_t* ps = packed.data_ptr<int8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {

@@ -373,8 +373,9 @@ torch::Tensor small_gemm_pack(torch::Tensor weight) {
               && (!bf16 || weight.size(1) % 32 == 0), "small_gemm_pack: bf16 or fp32 [N, K], N % 16 == 0, "
               "bf16 K % 32 == 0");
   const int64_t N = weight.size(0), K = weight.size(1);
-  if (!bf16) return weight.reshape({N / 16, 16, K}).permute({0, 2, 1}).contiguous();
-  return weight.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  torch::Tensor tiles = bf16 ? weight.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3})
+                             : weight.reshape({N / 16, 16, K}).permute({0, 2, 1});
+  return llm_cpu::empty_on_huge_pages(tiles.sizes(), tiles.options()).copy_(tiles);
 }
 
 // small_gemm without AMX: fp32 with AVX-512 multiply-adds, bf16 with AVX512-BF16 dot products; on AVX2, weights of
