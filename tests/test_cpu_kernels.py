@@ -259,8 +259,8 @@ def test_linear_with_the_tile_layout_only_runs_prompts_through_it_in_slices(monk
     assert Linear(weight, bias, small_batch=True).weight is not None  # without it: oneDNN's copy beside
     calls = []
     original = kernels.cpu.small_gemm
-    monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args),
-                        raising=False)
+    monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args, **kw: calls.append(args[0].shape[0])
+                        or original(*args, **kw), raising=False)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     for rows in (0, 1, limit, limit + 1, 2 * limit + 5):
         x = torch.randn(rows, 64).to(dtype)
@@ -268,6 +268,29 @@ def test_linear_with_the_tile_layout_only_runs_prompts_through_it_in_slices(monk
         assert got.shape == (rows, 96) and got.dtype == dtype
         torch.testing.assert_close(got.double(), F.linear(x.double(), weight.double(), bias.double()), **tolerance)
     assert calls == [1, limit, limit, 1, limit, limit, 5]  # no rows: an empty result without a call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_of_2_mib_or_more_start_on_a_2_mib_boundary_in_the_tile_layout(dtype):
+    """``small_gemm_pack`` and ``int8_gemm_pack`` put weights of at least 2 MiB on a mapping of their own, aligned
+    for 2 MiB pages; the values are the tile layout's (a permuted copy) and survive a clone."""
+    if not kernels.cpu.small_gemm_available(dtype):
+        pytest.skip(f"small_gemm does not run {dtype} here")
+    torch.manual_seed(13)
+    for n, k, big in ((2048, 1024, True), (64, 64, False)):
+        weight = torch.randn(n, k).to(dtype)
+        packed = kernels.cpu.small_gemm_pack(weight)
+        tiles = (weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3) if dtype == torch.bfloat16
+                 else weight.reshape(n // 16, 16, k).permute(0, 2, 1))
+        assert torch.equal(packed, tiles) and packed.is_contiguous() and torch.equal(packed.clone(), tiles)
+        if big:  # small ones come from torch's allocator, wherever it puts them
+            assert packed.data_ptr() % (2 << 20) == 0
+        if kernels.cpu.int8_gemm_available(dtype):
+            q = kernels.cpu.int8_gemm_pack(weight)
+            assert q.data_ptr() % (2 << 20) == 0 or q.numel() * q.element_size() < (2 << 20)
+            scale = weight.float().abs().amax(1, keepdim=True) / 127
+            torch.testing.assert_close(kernels.cpu.int8_gemm_unpack(q, k), weight.float(), rtol=0,
+                                       atol=float(scale.max()) / 2 + 1e-6)
 
 
 def test_auto_dtype_is_bf16_only_where_it_runs_at_least_as_fast_as_fp32():

@@ -103,8 +103,11 @@ class Linear(torch.nn.Module):
         if self.weight is None:  # only small_gemm's copy: no rows (a step that samples nothing), or a prompt's
             if x.shape[0] == 0:
                 return x.new_empty((0, self.out_features))
-            return torch.cat([cpu_ops.small_gemm(rows, self.small_batch, self.bias)
-                              for rows in x.split(self.small_batch_rows)])
+            out = x.new_empty((x.shape[0], self.out_features))
+            for begin in range(0, x.shape[0], self.small_batch_rows):  # each slice of rows written in place
+                end = begin + self.small_batch_rows
+                cpu_ops.small_gemm(x[begin:end], self.small_batch, self.bias, out=out[begin:end])
+            return out
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -42,7 +42,8 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
 
 # Up to this many bytes of weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
 # (cpu_ops.small_gemm: AMX, or AVX512-BF16 / AVX-512 on the same layout): that doubles the weights' memory, worth
-# it for the small models CPUs serve; past it, oneDNN runs every GEMM. (On AVX2 without AVX-512, fp32 and bf16:
+# it for the small models CPUs serve. Past it, on AVX-512 without AMX, the tile layout is the only copy (prompts go
+# through small_gemm in slices); with AMX, oneDNN runs every GEMM. (On AVX2 without AVX-512, fp32 and bf16:
 # small_gemm runs every GEMM from the one copy, at any size.)
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
 # Past that limit, the tile layout is the only copy where small_gemm takes slices of at least this many rows: prompts
@@ -144,8 +145,9 @@ class LlamaDecoder(torch.nn.Module):
         self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization, small_batch_only)
         # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
         self.greedy_head = None
+        # Not past the limit: its bf16 copy (and an untied head's fp32 weight) would add to a model kept in one copy.
         if (self.lm_head.small_batch is not None and self.lm_head.quantization == "none" and lm_bias is None
-                and _greedy_head_fits(hf_model.lm_head.weight)):
+                and not small_batch_only and _greedy_head_fits(hf_model.lm_head.weight)):
             self.greedy_head = GreedyHead(hf_model.lm_head.weight, max_rows=self.lm_head.small_batch_rows)
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
@@ -228,9 +230,11 @@ def _small_gemm_takes_every_gemm(weight: torch.Tensor) -> bool:
 
 
 def _small_gemm_slices_prompts(weight: torch.Tensor) -> bool:
-    """Whether ``cpu_ops.small_gemm`` takes slices of at least :data:`PROMPT_SLICE_ROWS` rows for ``weight``'s dtype
-    here (AVX-512 vector units; AMX tiles take 64), where prompts in slices run at about oneDNN's rate."""
-    return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
+    """Whether prompts run through ``cpu_ops.small_gemm`` in slices here for ``weight``'s dtype: on AVX-512 vector
+    units without AMX (slices of at least :data:`PROMPT_SLICE_ROWS` rows, about oneDNN's rate on a Zen 4 EPYC).
+    Not with AMX tiles (64 rows a call; on such a CPU fp32 too stays with oneDNN: slices there were not measured)."""
+    no_amx_tiles = cpu_ops.small_gemm_max_rows(torch.bfloat16) >= PROMPT_SLICE_ROWS
+    return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype) and no_amx_tiles
             and PROMPT_SLICE_ROWS <= cpu_ops.small_gemm_max_rows(weight.dtype) < cpu_ops.EVERY_GEMM)
 
 

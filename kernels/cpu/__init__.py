@@ -215,22 +215,26 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     return _module().small_gemm_pack(weight.contiguous())
 
 
-def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for at most :func:`small_gemm_max_rows` rows: bf16 on AMX tiles (or with AVX512-BF16
     dot products where there is no AMX), fp32 with AVX-512 multiply-adds, both with AVX2 multiply-adds on a CPU
     without AVX-512 (bf16 widened to fp32), the weights streamed in order from :func:`small_gemm_pack`'s layout.
 
     Args:
         x: ``[M, K]`` bf16 or fp32, 1 <= M <= ``small_gemm_max_rows(x.dtype)``; packed: from
-            :func:`small_gemm_pack`; bias: ``[N]`` or None.
+            :func:`small_gemm_pack`; bias: ``[N]`` or None; out: a contiguous ``[M, N]`` of ``x``'s dtype to write
+            into (e.g. a slice of rows of a larger result), or None.
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once, as oneDNN's bf16 GEMM).
+        ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once, as oneDNN's bf16 GEMM): ``out`` when
+        given.
 
     Raises:
         RuntimeError: the kernel is unavailable for the dtype, or shapes / dtypes do not match.
     """
-    out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
     _module().small_gemm(out, x.contiguous(), packed, bias)
     return out
 
