@@ -14,6 +14,13 @@ from benchmarks.config import LLAMACPP_QUANTS, MODES, QUICK, SYSTEMS, BenchConfi
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _config(parser, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options (``benchmarks.matrix`` passes options on to it and checks them here)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="small workload, shorter outputs, naive on a subset: about 3 minutes on 2 cores")
@@ -57,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                              "faster, and different numbers (its greedy tokens differ)")
     parser.add_argument("--output-dir", help="where report.json, report.md and the PNGs go (default results/bench)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BenchConfig:
 
     values = dict(QUICK) if args.quick else {}
     values["quick"] = args.quick

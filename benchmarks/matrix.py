@@ -238,7 +238,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     and any(o.startswith(a.split("=")[0]) for o in CELL_OPTIONS)})
     if taken:
         parser.error(f"{', '.join(taken)}: the matrix sets {', '.join(sorted(CELL_OPTIONS))} per cell")
+    from benchmarks.__main__ import build_parser
     from benchmarks.__main__ import parse_args as benchmark_args
+
+    known = build_parser()._option_string_actions  # full names only: --stream would become --stream-interval
+    inexact = [a.split("=")[0] for a in extra if a.startswith("--") and a.split("=")[0] not in known]
+    if inexact:
+        parser.error(f"{', '.join(inexact)}: not an option of the matrix or of `python -m benchmarks` (spell "
+                     f"options in full)")
     from benchmarks.docs_page import RESULT_NAME
 
     if args.publish is not None and not RESULT_NAME.fullmatch(args.publish):

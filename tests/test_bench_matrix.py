@@ -29,7 +29,8 @@ def test_options_the_matrix_sets_or_the_benchmark_does_not_know_are_refused(caps
                           (["--conc", "8"], "--conc: the matrix sets"), (["--num-req=9"], "--num-req: the matrix sets"),
                           (["--systems", "vllm"], "must include engine"), (["--shapes", "nope"], "unknown shape"),
                           (["--shapes", ""], "at least one name"), (["--model", "/x"], "--shapes default"),
-                          (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+                          (["--no-such-option"], "--no-such-option: not an option"),
+                          (["--stream", "4"], "--stream: not an option"),
                           (["--dtypes", "int4"], "invalid choice: 'int4'"), (["--publish", "Not_A_Name"], "lowercase"),
                           (["--systems", "engine,nope"], "nope")):
         with pytest.raises(SystemExit):

@@ -233,8 +233,8 @@ def _small_gemm_slices_prompts(weight: torch.Tensor) -> bool:
     """Whether prompts run through ``cpu_ops.small_gemm`` in slices here for ``weight``'s dtype: on AVX-512 vector
     units without AMX (slices of at least :data:`PROMPT_SLICE_ROWS` rows, about oneDNN's rate on a Zen 4 EPYC).
     Not with AMX tiles (64 rows a call; on such a CPU fp32 too stays with oneDNN: slices there were not measured)."""
-    no_amx_tiles = cpu_ops.small_gemm_max_rows(torch.bfloat16) >= PROMPT_SLICE_ROWS
-    return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype) and no_amx_tiles
+    return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
+            and cpu_ops.small_gemm_max_rows(torch.bfloat16) >= PROMPT_SLICE_ROWS  # no AMX tiles
             and PROMPT_SLICE_ROWS <= cpu_ops.small_gemm_max_rows(weight.dtype) < cpu_ops.EVERY_GEMM)
 
 
