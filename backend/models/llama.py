@@ -128,12 +128,11 @@ class LlamaDecoder(torch.nn.Module):
         self.embed_tokens = inner.embed_tokens
         weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         # int8 weights are packed for their own kernel only: no second copy in the tile layout. Where small_gemm
-        # takes every GEMM (AVX2 without AVX-512), its layout is the only copy, whatever the size. Past the limit,
-        # where it runs prompts in slices at about oneDNN's rate (AVX-512 vector units), its layout is the only copy
-        # too: decode steps stream the weights, prompts go through it in slices.
+        # takes every GEMM (AVX2 without AVX-512), its layout is the only copy, whatever the size; past the limit,
+        # where it takes prompts in slices, too (SMALL_GEMM_WEIGHT_LIMIT_BYTES).
         head = hf_model.lm_head.weight
         small_batch_only = (cpu_kernels and quantization == "none" and weight_bytes > SMALL_GEMM_WEIGHT_LIMIT_BYTES
-                            and not _small_gemm_takes_every_gemm(head) and _small_gemm_slices_prompts(head))
+                            and _small_gemm_slices_prompts(head))
         small_batch = cpu_kernels and quantization == "none" and (
             weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES or _small_gemm_takes_every_gemm(head) or small_batch_only)
         self.quantization = quantization
