@@ -19,9 +19,16 @@ The goals (each a ratio, per shape; "at equal weight bits": llama.cpp on a GGUF 
 - ITL p50 at one stream, ours / vLLM, at most 0.7, and ours / llama.cpp, at most 1.0;
 - ITL p50 at one stream over the physical floor (every weight read once per step at the measured read rate), at
   most 1.3;
+- one row through every weight matrix of a decode step, our kernel's time over llama.cpp's, at most 1.0: with
+  llama.cpp among the systems and equal weight formats (no ``--quantization`` or ``--llamacpp-quant``), each shape and
+  dtype also runs :mod:`benchmarks.ggml_gemv` (:data:`KERNEL_ROUNDS` rounds alternating in one window, its result in
+  ``OUTPUT_DIR/<shape>-<dtype>-kernel/result.json``). The cells' systems run minutes apart, and on a shared host
+  the memory bandwidth moves by half in that time: the one-stream ITL against llama.cpp then says which window each
+  system drew, and this one says which reads the weights faster;
 - output tokens/s at 16 streams, ours / llama.cpp, at least 1.3 (the int8 goal, shown at every weight format).
 
-Each ratio is the median of the rounds' own ratios (each between runs minutes apart, as the benchmark's own ratios).
+Each ratio is the median of the rounds' own ratios (each between runs minutes apart, as the benchmark's own ratios;
+the kernel's within a second).
 A cell that fails, or where no system ran, is named in the report and the others still run; the matrix then exits
 1 and does not publish.
 """
@@ -51,6 +58,9 @@ RUN_KEYS = ("system", "mode", "round", "requests", "output_tokens", "expected_to
             "machine_gflops_before", "notes")
 CELL_OPTIONS = {"--shape", "--dtype", "--systems", "--modes", "--concurrency", "--quick", "--num-requests", "--rounds",
                 "--limits", "--no-progress", "--output-dir"}
+KERNEL_ROUNDS = 20
+KERNEL_DTYPES = ("bfloat16", "float32")  # the weight types benchmarks.ggml_gemv gives both kernels
+KERNEL_OPTIONS = ("--threads", "--model")  # the options of a cell's that benchmarks.ggml_gemv takes too
 REPORT_KEYS = ("config", "workload", "skipped", "ratios", "ratios_by_round", "spread", "limits", "checks", "command",
                "date", "wall_s")
 
@@ -80,6 +90,59 @@ class Cell:
 def plan(shapes: tuple[str, ...], dtypes: tuple[str, ...], streams: tuple[int, ...]) -> list[Cell]:
     """The cells in the order they run: per shape and dtype, offline then each stream count."""
     return [Cell(shape, dtype, s) for shape in shapes for dtype in dtypes for s in (None, *streams)]
+
+
+def kernel_args(shape: str, dtype: str, extra: list[str]) -> list[str] | None:
+    """``python -m benchmarks.ggml_gemv`` arguments for a shape and dtype, or None where it does not apply: a dtype
+    it does not take, or weights other than the dtype's (``--quantization``, ``--llamacpp-quant`` in ``extra``)."""
+    given = _options(extra)
+    if dtype not in KERNEL_DTYPES or given.get("--quantization", "none") != "none" or given.get("--llamacpp-quant"):
+        return None
+    passed = [part for name in KERNEL_OPTIONS if name in given for part in (name, given[name])]
+    source = [] if "--model" in given else ["--shape", shape]  # default: the default model
+    return [*source, "--dtype", dtype, "--rounds", str(KERNEL_ROUNDS), *passed]
+
+
+def _options(extra: list[str]) -> dict[str, str]:
+    """``--name value`` and ``--name=value`` pairs of ``extra`` (a flag, followed by another option, maps to "")."""
+    given, i = {}, 0
+    while i < len(extra):
+        name, eq, value = extra[i].partition("=")
+        if name.startswith("--") and not eq and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            value, i = extra[i + 1], i + 1
+        given[name] = value
+        i += 1
+    return given
+
+
+def run_kernel(args: list[str], output_dir: Path, resume: bool = False) -> dict:
+    """Runs ``python -m benchmarks.ggml_gemv ARGS --output OUTPUT_DIR/result.json`` in a process of its own; its
+    result. With ``resume``, a result already there that this very command wrote is returned instead.
+
+    Raises:
+        RuntimeError: the run failed (its exit status; its output went to this process's standard error).
+    """
+    result_path = output_dir / "result.json"
+    command = [sys.executable, "-m", "benchmarks.ggml_gemv", *args, "--output", str(result_path)]
+    if resume and result_path.exists():
+        try:
+            result = json.loads(result_path.read_text())
+        except ValueError:
+            result = {}
+        if result.get("command") == " ".join(["python -m benchmarks.ggml_gemv", *command[3:]]):
+            log.info("kept %s (--resume)", result_path)
+            return result
+    log.info("running %s", " ".join(command[1:]))
+    done = subprocess.run(command, stdout=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise RuntimeError(f"`python -m benchmarks.ggml_gemv {' '.join(args)}` exited with {done.returncode}")
+    return json.loads(result_path.read_text())
+
+
+def condense_kernel(result: dict) -> dict:
+    """The kernel comparison's figures the matrix keeps: each round's times, rates and ratio, and the medians."""
+    keep = ("dtype", "threads", "matrices", "weight_bytes", "llamacpp", "rounds", "median", "command", "date")
+    return {key: result[key] for key in keep if key in result}
 
 
 def run_cell(args: list[str], output_dir: Path, resume: bool = False) -> dict:
@@ -121,9 +184,10 @@ def _median_ratio(runs: list[dict], field: str, system: str, peer: str) -> tuple
     return (statistics.median(ratios) if ratios else None), ratios
 
 
-def goals(cells: dict[Cell, dict]) -> list[dict]:
-    """The goals of one shape and dtype from its cells' condensed reports: name, value (a ratio), the rounds'
-    values, the target and whether it is met (value and met None where a system or cell is missing)."""
+def goals(cells: dict[Cell, dict], kernel: dict | None = None) -> list[dict]:
+    """The goals of one shape and dtype from its cells' condensed reports and its kernel comparison (``kernel``,
+    :func:`condense_kernel`'s): name, value (a ratio), the rounds' values, the target and whether it is met (value
+    and met None where a system, cell or the kernel comparison is missing)."""
     by_streams = {cell.streams: report for cell, report in cells.items()}
     offline, one, sixteen = (by_streams.get(s, {"runs": []}) for s in (None, 1, 16))
     floor = (one.get("limits") or {}).get("itl_floor_ms")
@@ -140,13 +204,19 @@ def goals(cells: dict[Cell, dict]) -> list[dict]:
          (statistics.median(over_floor) if over_floor else None, over_floor)),
         ("tokens/s at 16 streams, ours / llama.cpp", ">= 1.3x", lambda v: v >= 1.3,
          _median_ratio(sixteen["runs"], "output_tokens_per_s", "engine", "llamacpp")),
+        ("one row through every weight, kernel time, ours / llama.cpp", "<= 1.0x", lambda v: v <= 1.0,
+         (kernel["median"]["ours_vs_llamacpp_time"], [r["ours_vs_llamacpp_time"] for r in kernel["rounds"]])
+         if kernel else (None, [])),
     ]
     return [{"name": name, "target": target, "value": value, "rounds": rounds,
              "met": None if value is None else met(value)} for name, target, met, (value, rounds) in measured]
 
 
-def build_matrix(results: list[tuple[Cell, dict]], command: str | None, failed: dict[str, str]) -> dict:
-    """The matrix report from the cells' full reports (in run order); ``failed``: cell name -> why it has none."""
+def build_matrix(results: list[tuple[Cell, dict]], command: str | None, failed: dict[str, str],
+                 kernels: dict[tuple[str, str], dict] | None = None) -> dict:
+    """The matrix report from the cells' full reports (in run order) and the kernel comparisons' results by (shape,
+    dtype); ``failed``: cell name -> why it has none."""
+    kernels = {key: condense_kernel(result) for key, result in (kernels or {}).items()}
     groups: dict[tuple[str, str], dict[Cell, dict]] = {}
     for cell, report in results:
         groups.setdefault((cell.shape, cell.dtype), {})[cell] = condense(report)
@@ -157,7 +227,8 @@ def build_matrix(results: list[tuple[Cell, dict]], command: str | None, failed: 
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "failed": failed,
             "groups": [{"shape": shape, "dtype": dtype,
                         "cells": [{"name": c.name, "streams": c.streams, **r} for c, r in cells.items()],
-                        "goals": goals(cells)} for (shape, dtype), cells in groups.items()]}
+                        "kernel": kernels.get((shape, dtype)),
+                        "goals": goals(cells, kernels.get((shape, dtype)))} for (shape, dtype), cells in groups.items()]}
 
 
 def page_markdown(report: dict) -> str:
@@ -190,6 +261,14 @@ def page_markdown(report: dict) -> str:
             from benchmarks.limits import markdown as limits_markdown
 
             lines += ["", limits_markdown(limits, quant)]
+        kernel = group.get("kernel")
+        if kernel:
+            m = kernel["median"]
+            lines += ["", f"One row through every weight matrix ({kernel['matrices']} matrices, "
+                          f"{kernel['weight_bytes'] / 1e9:.2f} GB), {len(kernel['rounds'])} rounds alternating in one "
+                          f"window (`python -m benchmarks.ggml_gemv`; medians): ours {m['ours_ms']:.1f} ms "
+                          f"({m['ours_gbps']:.1f} GB/s), llama.cpp's kernel {m['llamacpp_ms']:.1f} ms "
+                          f"({m['llamacpp_gbps']:.1f} GB/s), the read-rate probe {m['probe_gbps']:.1f} GB/s."]
         lines += ["", "| Goal | Target | Value | Rounds | Met |", "|---|---|---:|---|---|"]
         for goal in group["goals"]:
             met = "n/a" if goal["met"] is None else ("yes" if goal["met"] else "**no**")
@@ -282,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     out = Path(args.output_dir)
-    results, failed = [], {}
-    for cell in plan(args.shapes, args.dtypes, args.streams):
+    results, failed, kernels = [], {}, {}
+    cells = plan(args.shapes, args.dtypes, args.streams)
+    for cell in cells:
         try:
             report = run_cell(cell.args(args.systems, args.rounds, args.extra), out / cell.name, args.resume)
         except RuntimeError as exc:  # the other cells still run; the report names the one that failed
@@ -295,8 +375,18 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s: %s", cell.name, failed[cell.name])
             continue
         results.append((cell, report))
+    for shape, dtype in dict.fromkeys((c.shape, c.dtype) for c in cells):
+        kernel = kernel_args(shape, dtype, args.extra) if "llamacpp" in args.systems else None
+        if kernel is None:
+            continue
+        name = f"{shape}-{dtype}-kernel"
+        try:
+            kernels[shape, dtype] = run_kernel(kernel, out / name, args.resume)
+        except RuntimeError as exc:
+            log.error("%s: %s", name, exc)
+            failed[name] = str(exc)
     given = sys.argv[1:] if argv is None else argv
-    report = build_matrix(results, " ".join(["python -m benchmarks.matrix", *given]), failed)
+    report = build_matrix(results, " ".join(["python -m benchmarks.matrix", *given]), failed, kernels)
     out.mkdir(parents=True, exist_ok=True)
     write_json(report, out / "report.json")
     (out / "report.md").write_text(page_markdown(report))

@@ -152,3 +152,59 @@ def test_llamacpp_and_our_engine_give_the_real_model_the_same_perplexity_in_fp32
                                  torch.get_num_threads())
     assert 1 < ours < 100
     assert abs(ours / theirs - 1) < 1e-3, (ours, theirs)
+
+
+def test_ggml_gemv_takes_every_matrix_a_decode_step_reads_in_the_order_of_a_step():
+    from benchmarks.ggml_gemv import matrix_shapes, model_config_for
+    from benchmarks.memory_floor import weight_bytes
+
+    config = model_config_for("smollm2-1.7b", None)
+    shapes = matrix_shapes(config)
+    assert len(shapes) == 24 * 4 + 1
+    assert shapes[:4] == [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # QKV, O, gate-up, down
+    assert shapes[-1] == (49152, 2048)  # the LM head
+    assert sum(n * k for n, k in shapes) * 2 == weight_bytes(config, 2) == 3_422_552_064
+    with pytest.raises(ValueError, match="unknown shape 'nope'"):
+        model_config_for("nope", None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(llamacpp_built() is None, reason="llama.cpp is not built: `make llamacpp`")
+def test_ggml_gemv_computes_every_matrix_and_times_both_kernels(tiny_model_dir, tmp_path):
+    import numpy as np
+    from transformers import LlamaConfig
+
+    from backend import cpu_ops
+    from benchmarks.ggml_gemv import GgmlGemv, build_program, compare, matrix_shapes
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    shapes = matrix_shapes(config)
+    # weight i of each matrix is 1 + (i % 128) / 128 in both types (bf16 bits 0x3f80 + i % 128), x is 0.5
+    expected = sum(0.5 * (1 + (np.arange(n * k) % 128) / 128).sum() for n, k in shapes)
+    for dtype in ("bfloat16", "float32"):
+        gemv = GgmlGemv(build_program(), dtype, 2, shapes)
+        try:
+            assert gemv.run() > 0
+            assert gemv.output_sum() == pytest.approx(expected, rel=1e-5)
+        finally:
+            gemv.close()
+        assert gemv.process.returncode == 0
+    if not cpu_ops.small_gemm_available():
+        pytest.skip("small_gemm has no bf16 kernel on this CPU")
+    result = compare(config, "bfloat16", threads=2, rounds=2)
+    assert result["weight_bytes"] == sum(n * k for n, k in shapes) * 2 and result["matrices"] == 2 * 4 + 1
+    assert len(result["rounds"]) == 2
+    for s in result["rounds"]:
+        assert s["ours_ms"] > 0 and s["llamacpp_ms"] > 0 and s["probe_gbps"] > 0
+        assert s["ours_vs_llamacpp_time"] == pytest.approx(s["ours_ms"] / s["llamacpp_ms"])
+    # as the matrix runs it: a process of its own, the result kept for --resume
+    from benchmarks import matrix
+
+    args = matrix.kernel_args("default", "float32", ["--model", tiny_model_dir])
+    kept = matrix.run_kernel(args, tmp_path / "kernel")
+    assert len(kept["rounds"]) == matrix.KERNEL_ROUNDS and kept["model"] == tiny_model_dir
+    assert kept["command"].startswith("python -m benchmarks.ggml_gemv --dtype float32")
+    assert matrix.run_kernel(args, tmp_path / "kernel", resume=True) == kept
+    (goal,) = [g for g in matrix.goals({}, matrix.condense_kernel(kept)) if g["name"].startswith("one row")]
+    assert goal["value"] == kept["median"]["ours_vs_llamacpp_time"] and len(goal["rounds"]) == matrix.KERNEL_ROUNDS

@@ -100,3 +100,35 @@ def test_a_matrix_runs_every_cell_as_a_benchmark_and_publishes_one_report(tiny_m
     assert f"{c3['runs'][0]['output_tokens_per_s']:.1f}" in page and "| 3 streams |" in page
     assert report["machine"]["cpu_model"] in page and "python -m benchmarks.matrix --shapes default" in page
     assert json.loads((tmp_path / "results" / "tiny-matrix.json").read_text())["groups"] == report["groups"]
+
+
+def test_the_kernel_comparison_runs_where_both_kernels_read_the_same_weight_format():
+    args = matrix.kernel_args("llama-3b", "bfloat16", ["--served-offline-stream", "--threads=4", "--quantization",
+                                                       "none"])
+    assert args == ["--shape", "llama-3b", "--dtype", "bfloat16", "--rounds", str(matrix.KERNEL_ROUNDS),
+                    "--threads", "4"]
+    assert matrix.kernel_args("default", "float32", ["--model", "/m", "--threads", "2"]) == [
+        "--dtype", "float32", "--rounds", str(matrix.KERNEL_ROUNDS), "--threads", "2", "--model", "/m"]
+    assert matrix.kernel_args("default", "float32", [])[:2] == ["--shape", "default"]
+    assert matrix.kernel_args("llama-3b", "float16", []) is None  # not a type both kernels take
+    assert matrix.kernel_args("llama-3b", "bfloat16", ["--quantization", "w8a8"]) is None  # int8 weights: not equal
+    assert matrix.kernel_args("llama-3b", "bfloat16", ["--llamacpp-quant=q8_0"]) is None
+
+
+def test_the_kernel_goal_is_the_median_of_its_rounds_and_the_page_shows_it():
+    rounds = [{"ours_vs_llamacpp_time": r} for r in (0.9, 1.1, 0.8)]
+    kernel = {"matrices": 9, "weight_bytes": 2e9, "rounds": rounds,
+              "median": {"ours_ms": 50.0, "llamacpp_ms": 55.0, "ours_vs_llamacpp_time": 0.9, "ours_gbps": 40.0,
+                         "llamacpp_gbps": 36.4, "probe_gbps": 41.0}}
+    cell = {"runs": [{**run("engine", 0, 1, 60.0), "requests": 12, "ttft_s_p50": 0.5}], "config": {},
+            "checks": {"all_tokens_exact": True}}
+    (goal,) = [g for g in matrix.goals({Cell("s", "d", 1): cell}, kernel) if g["name"].startswith("one row")]
+    assert goal["value"] == 0.9 and goal["rounds"] == [0.9, 1.1, 0.8] and goal["met"] is True
+    report = {"groups": [{"shape": "s", "dtype": "d", "cells": [{"name": "s-d-c1", "streams": 1, **cell}],
+                          "kernel": kernel, "goals": matrix.goals({Cell("s", "d", 1): cell}, kernel)}]}
+    page = matrix.page_markdown(report)
+    assert "ours 50.0 ms (40.0 GB/s), llama.cpp's kernel 55.0 ms (36.4 GB/s)" in page
+    assert ("| one row through every weight, kernel time, ours / llama.cpp | <= 1.0x | 0.90x | 0.90, 1.10, 0.80 | yes |"
+            in page)
+    (none,) = [g for g in matrix.goals({Cell("s", "d", 1): cell}) if g["name"].startswith("one row")]
+    assert none["value"] is none["met"] is None
