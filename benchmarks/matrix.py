@@ -7,7 +7,7 @@ many requests in flight), each cell with the same systems in alternating rounds 
 measured beside it (memory read rate and GEMM peak: :mod:`benchmarks.limits`). Each cell is its own process, as a
 user would run it (the in-process engine on the served allocator, a fresh vLLM and llama.cpp). The cells' reports
 stay in ``OUTPUT_DIR/<shape>-<dtype>-<cell>/`` (``--resume`` keeps a cell's report that the cell's own command
-wrote with every system running, and runs the other cells); the matrix report, ``OUTPUT_DIR/report.json``, keeps each cell's
+wrote on this machine with every system running, and runs the other cells); the matrix report, ``OUTPUT_DIR/report.json``, keeps each cell's
 summary (tokens/s and latencies by round, ratios, limits, checks; not the per-request lists) and the goals, and
 ``report.md`` shows them. ``--publish NAME`` keeps it as ``docs/results/NAME.json`` and regenerates
 docs/performance.md (``benchmarks.docs_page``), where ``<!-- result: NAME -->`` shows it.
@@ -29,8 +29,8 @@ The goals (each a ratio, per shape; "at equal weight bits": llama.cpp on a GGUF 
 
 Each ratio is the median of the rounds' own ratios (each between runs minutes apart, as the benchmark's own ratios;
 the kernel's within a second).
-A cell that fails, or where no system ran, is named in the report and the others still run; the matrix then exits
-1 and does not publish.
+A cell that fails, runs past ``--cell-timeout`` seconds (it is killed with the peers it started), or where no system
+ran, is named in the report and the others still run; the matrix then exits 1 and does not publish.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +60,7 @@ RUN_KEYS = ("system", "mode", "round", "requests", "output_tokens", "expected_to
             "machine_gflops_before", "notes")
 CELL_OPTIONS = {"--shape", "--dtype", "--systems", "--modes", "--concurrency", "--quick", "--num-requests", "--rounds",
                 "--limits", "--no-progress", "--output-dir"}
+DEFAULT_CELL_TIMEOUT_S = 7200
 KERNEL_ROUNDS = 20
 KERNEL_DTYPES = ("bfloat16", "float32")  # the weight types benchmarks.ggml_gemv gives both kernels
 KERNEL_OPTIONS = ("--threads", "--model")  # the options of a cell's that benchmarks.ggml_gemv takes too
@@ -115,12 +118,47 @@ def _options(extra: list[str]) -> dict[str, str]:
     return given
 
 
-def run_kernel(args: list[str], output_dir: Path, resume: bool = False) -> dict:
-    """Runs ``python -m benchmarks.ggml_gemv ARGS --output OUTPUT_DIR/result.json`` in a process of its own; its
-    result. With ``resume``, a result already there that this very command wrote is returned instead.
+MACHINE_KEYS = ("cpu_model", "cpu_features", "l3_cache", "usable_cpus", "memory_gib")  # what --resume compares
+
+
+def same_machine(kept: dict | None) -> bool:
+    """Whether a kept report's ``machine`` (:func:`benchmarks.machine.machine_info`) is this machine: its CPU model,
+    features, L3, usable CPUs and memory. Figures from another machine do not go into one matrix."""
+    from benchmarks.machine import machine_info
+
+    here = machine_info(1)
+    return bool(kept) and all(kept.get(key) == here[key] for key in MACHINE_KEYS)
+
+
+def _run_process(command: list[str], timeout_s: float | None) -> int:
+    """Runs ``command`` (its output to this process's standard error, its standard output dropped) in a session
+    of its own; its exit status. Past ``timeout_s`` seconds it and every process it started (a llama-server, vLLM's
+    workers) are killed.
 
     Raises:
-        RuntimeError: the run failed (its exit status; its output went to this process's standard error).
+        RuntimeError: it ran past ``timeout_s``.
+    """
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise RuntimeError(f"`{' '.join(command[1:])}` ran past {timeout_s:.0f} s and was killed (--cell-timeout)")
+    except BaseException:  # interrupted: take its children down with it
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+
+
+def run_kernel(args: list[str], output_dir: Path, resume: bool = False, timeout_s: float | None = None) -> dict:
+    """Runs ``python -m benchmarks.ggml_gemv ARGS --output OUTPUT_DIR/result.json`` in a process of its own; its
+    result. With ``resume``, a result already there that this very command wrote on this machine is returned
+    instead.
+
+    Raises:
+        RuntimeError: the run failed (its exit status; its output went to this process's standard error) or ran
+            past ``timeout_s`` seconds.
     """
     result_path = output_dir / "result.json"
     command = [sys.executable, "-m", "benchmarks.ggml_gemv", *args, "--output", str(result_path)]
@@ -129,13 +167,14 @@ def run_kernel(args: list[str], output_dir: Path, resume: bool = False) -> dict:
             result = json.loads(result_path.read_text())
         except ValueError:
             result = {}
-        if result.get("command") == " ".join(["python -m benchmarks.ggml_gemv", *command[3:]]):
+        if (result.get("command") == " ".join(["python -m benchmarks.ggml_gemv", *command[3:]])
+                and same_machine(result.get("machine"))):
             log.info("kept %s (--resume)", result_path)
             return result
     log.info("running %s", " ".join(command[1:]))
-    done = subprocess.run(command, stdout=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"`python -m benchmarks.ggml_gemv {' '.join(args)}` exited with {done.returncode}")
+    status = _run_process(command, timeout_s)
+    if status != 0:
+        raise RuntimeError(f"`python -m benchmarks.ggml_gemv {' '.join(args)}` exited with {status}")
     return json.loads(result_path.read_text())
 
 
@@ -145,12 +184,13 @@ def condense_kernel(result: dict) -> dict:
     return {key: result[key] for key in keep if key in result}
 
 
-def run_cell(args: list[str], output_dir: Path, resume: bool = False) -> dict:
+def run_cell(args: list[str], output_dir: Path, resume: bool = False, timeout_s: float | None = None) -> dict:
     """Runs ``python -m benchmarks ARGS --output-dir OUTPUT_DIR`` in a process of its own; its report. With
-    ``resume``, a report already in OUTPUT_DIR that this very command wrote is returned instead.
+    ``resume``, a report already in OUTPUT_DIR that this very command wrote on this machine is returned instead.
 
     Raises:
-        RuntimeError: the run failed (its exit status; its log went to this process's standard error).
+        RuntimeError: the run failed (its exit status; its log went to this process's standard error) or ran past
+            ``timeout_s`` seconds (it and the peers it started are killed).
     """
     command = [sys.executable, "-m", "benchmarks", *args, "--output-dir", str(output_dir)]
     kept = output_dir / "report.json"
@@ -159,13 +199,14 @@ def run_cell(args: list[str], output_dir: Path, resume: bool = False) -> dict:
             report = json.loads(kept.read_text())
         except ValueError:  # cut short: run the cell again
             report = {}
-        if report.get("command") == " ".join(["python -m benchmarks", *command[3:]]) and not report.get("skipped"):
+        if (report.get("command") == " ".join(["python -m benchmarks", *command[3:]]) and not report.get("skipped")
+                and same_machine(report.get("machine"))):
             log.info("kept %s (--resume)", kept)
             return report
     log.info("running %s", " ".join(command[1:]))
-    done = subprocess.run(command, stdout=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"`python -m benchmarks {' '.join(args)}` exited with {done.returncode}")
+    status = _run_process(command, timeout_s)
+    if status != 0:
+        raise RuntimeError(f"`python -m benchmarks {' '.join(args)}` exited with {status}")
     return json.loads((output_dir / "report.json").read_text())
 
 
@@ -307,8 +348,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="default engine,vllm,llamacpp")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell (default 3)")
     parser.add_argument("--output-dir", default="results/matrix")
+    parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
+                        help=f"kill a cell (and the peers it started) past this many seconds and go on to the next "
+                             f"(default {DEFAULT_CELL_TIMEOUT_S}; one round of a 3B cell took under 8 minutes on 2 cores)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep a cell's report already in the output directory if the same command wrote it")
+                        help="keep a cell's report already in the output directory if the same command wrote it on "
+                             "this machine")
     parser.add_argument("--publish", metavar="NAME",
                         help="keep the report as docs/results/NAME.json and regenerate docs/performance.md")
     args, extra = parser.parse_known_args(argv)
@@ -351,6 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--systems must include engine (every goal is ours over a peer)")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if not args.cell_timeout > 0:
+        parser.error("--cell-timeout must be > 0")
     for dtype in args.dtypes:  # what the benchmark would refuse fails here, not in every cell
         benchmark_args(["--systems", ",".join(args.systems), "--dtype", dtype, *extra])
     args.extra = extra  # passed to every cell: --quantization, --llamacpp-quant, --threads, --model, ...
@@ -365,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = plan(args.shapes, args.dtypes, args.streams)
     for cell in cells:
         try:
-            report = run_cell(cell.args(args.systems, args.rounds, args.extra), out / cell.name, args.resume)
+            report = run_cell(cell.args(args.systems, args.rounds, args.extra), out / cell.name, args.resume,
+                              args.cell_timeout)
         except RuntimeError as exc:  # the other cells still run; the report names the one that failed
             log.error("%s: %s", cell.name, exc)
             failed[cell.name] = str(exc)
@@ -381,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         name = f"{shape}-{dtype}-kernel"
         try:
-            kernels[shape, dtype] = run_kernel(kernel, out / name, args.resume)
+            kernels[shape, dtype] = run_kernel(kernel, out / name, args.resume, args.cell_timeout)
         except RuntimeError as exc:
             log.error("%s: %s", name, exc)
             failed[name] = str(exc)

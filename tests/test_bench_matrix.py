@@ -132,3 +132,42 @@ def test_the_kernel_goal_is_the_median_of_its_rounds_and_the_page_shows_it():
             in page)
     (none,) = [g for g in matrix.goals({Cell("s", "d", 1): cell}) if g["name"].startswith("one row")]
     assert none["value"] is none["met"] is None
+
+
+def test_a_cell_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    import sys
+    import time
+    from pathlib import Path
+
+    pid_file = tmp_path / "child.pid"
+    command = [sys.executable, "-c", "import subprocess, sys, time; child = subprocess.Popen(['sleep', '60']); "
+               f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="ran past 2 s and was killed"):
+        matrix._run_process(command, timeout_s=2)
+    assert time.monotonic() - started < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # gone, or a zombie until whoever adopted it reaps it
+        try:
+            if (Path("/proc") / str(child) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the cell's child {child} outlived the cell")
+    assert matrix._run_process([sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30) == 3
+    with pytest.raises(SystemExit):
+        matrix.parse_args(["--cell-timeout", "0"])
+
+
+def test_resume_keeps_only_what_this_machine_measured():
+    from benchmarks.machine import machine_info
+
+    here = machine_info(2)
+    assert matrix.same_machine(here)
+    assert not matrix.same_machine({**here, "cpu_model": "another CPU"})
+    assert not matrix.same_machine({**here, "cpu_features": here["cpu_features"][:-1]})
+    assert not matrix.same_machine({**here, "usable_cpus": here["usable_cpus"] + 1})
+    assert not matrix.same_machine(None) and not matrix.same_machine({})
