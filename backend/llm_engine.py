@@ -142,6 +142,11 @@ class LLMEngine:
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
                                               config.kv_events_topic, config.block_size, config.kv_events_encoding)
             self.engine_core.enable_kv_events()
+        # The loaded model's own weights, replaced by the runner's packed copies, go with `model`; the allocator
+        # then hands them back to the OS instead of keeping them resident (tcmalloc keeps freed memory: the 1.7B
+        # shape in fp32 stayed at 18.0 GB resident instead of 11.8).
+        del model
+        host_memory.release_free_memory()
 
     # -- public API ---------------------------------------------------------------------------------
     def add_request(self, prompt: str | bytes | list[int], params: SamplingParams | None = None,

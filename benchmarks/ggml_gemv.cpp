@@ -6,12 +6,14 @@
 // written before timing: weight i (row-major, N rows of K) holds bf16 bits 0x3f80 + (i % 128) (1.0 to 1.99), fp32
 // 1 + (i % 128) / 128; x is 0.5. Then, for each line on stdin: "run" computes the graph once on THREADS threads and
 // prints the milliseconds it took; "sum" prints the sum of every output (what the last run computed); "quit" (or
-// end of input) exits.
+// end of input) exits. The outputs are zeroed before every run (and after the warm-up run), so "sum" shows what
+// that run computed.
 #include "ggml-cpu.h"
 #include "ggml.h"
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -85,7 +87,8 @@ int main(int argc, char** argv) {
   ggml_cplan plan = ggml_graph_plan(graph, threads, nullptr);
   std::vector<uint8_t> work(plan.work_size + 64);
   plan.work_data = work.data();
-  ggml_graph_compute(graph, &plan);  // warm: threads started, x converted once
+  ggml_graph_compute(graph, &plan);  // warm: threads started, every weight page read once
+  for (auto& out : outputs) std::fill(out.begin(), out.end(), 0.0f);
   std::printf("ready\n");
   std::fflush(stdout);
   for (std::string line; std::getline(std::cin, line) && line != "quit";) {
@@ -98,6 +101,7 @@ int main(int argc, char** argv) {
       continue;
     }
     if (line != "run") continue;
+    for (auto& out : outputs) std::fill(out.begin(), out.end(), 0.0f);
     const auto start = std::chrono::steady_clock::now();
     ggml_graph_compute(graph, &plan);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -9,10 +9,15 @@ Llama-family shape (:func:`benchmarks.memory_floor.linear_shapes`: fused QKV, O,
 through our ``cpu_ops.small_gemm`` at one row (the decode path's kernel, from its packed layout), and through
 llama.cpp's ``ggml_mul_mat`` (tinyBLAS for bf16 with AVX512-BF16, or its vec_dot kernels), compiled from the same
 llama.cpp build the peer benchmark runs (``make llamacpp``) into a small program (``ggml_gemv.cpp``) that this
-process drives over a pipe. Each round times one pass of ours and one pass of llama.cpp's (in turn first), then
-the bandwidth probe of :mod:`benchmarks.limits`, back to back: on a shared host whose memory bandwidth moves by half within minutes, only
-such alternation says which kernel reads faster. Both read their own copy of the same number of bytes, on 2 MiB
-pages. Prints each round and the median of the rounds' own ratios; ``--output FILE`` writes them as JSON.
+process drives over a pipe. Both get the matrices as our engine holds them (QKV and gate-up fused; llama.cpp's own
+graph runs them unfused, in more and smaller calls). Each round times one pass of ours and one pass of llama.cpp's
+(in turn first), each after an idle gap (:data:`GAP_S`: the other side's OpenMP threads, which spin for a while
+after their last parallel region, have stopped by then; without it whichever side ran second lost up to a tenth of
+its time), then the bandwidth probe of :mod:`benchmarks.limits`, back to back: on a shared host whose memory
+bandwidth moves by half within minutes, only such alternation says which kernel reads faster. Both read their own
+copy of the same number of bytes, asked for on 2 MiB pages; how much of each process's memory got them is recorded
+(``huge_page_bytes``). Prints each round, the median of the rounds' own ratios and the median for each order;
+``--output FILE`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import argparse
 import hashlib
 import json
 import statistics
+import os
+import selectors
 import subprocess
 import sys
 import time
@@ -31,6 +38,8 @@ from benchmarks.llamacpp_system import LLAMACPP_DIR, ensure_llamacpp, llamacpp_s
 SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
 GGML_LIBS = ("libggml.a", "libggml-cpu.a", "libggml-base.a")  # static, in link order
 GGML_TYPES = {"bfloat16": "bf16", "float32": "f32"}
+GAP_S = 0.1  # idle before each timed pass
+REPLY_TIMEOUT_S = 600.0  # the program's longest silence: start-up (writing every weight) or one pass
 
 
 def build_program(root: Path = LLAMACPP_DIR) -> Path:
@@ -42,7 +51,8 @@ def build_program(root: Path = LLAMACPP_DIR) -> Path:
     """
     bin_dir = ensure_llamacpp(root)
     lib_dir = bin_dir.parent / "ggml" / "src"
-    key = hashlib.sha256(SOURCE.read_bytes() + llamacpp_version(root).encode()).hexdigest()[:12]
+    build = "".join(f"{lib}:{(lib_dir / lib).stat().st_size}:{(lib_dir / lib).stat().st_mtime_ns};" for lib in GGML_LIBS)
+    key = hashlib.sha256(SOURCE.read_bytes() + llamacpp_version(root).encode() + build.encode()).hexdigest()[:12]
     program = root / f"ggml_gemv-{key}"
     if not program.exists():
         include = llamacpp_source(root) / "ggml" / "include"
@@ -55,31 +65,68 @@ def build_program(root: Path = LLAMACPP_DIR) -> Path:
 
 
 class GgmlGemv:
-    """The program running: :meth:`run` computes every matrix once and returns the milliseconds."""
+    """The program running: :meth:`run` computes every matrix once and returns the milliseconds.
+
+    Raises (any method):
+        RuntimeError: the program exited (its status), or said nothing for :data:`REPLY_TIMEOUT_S` seconds (it is
+            killed).
+    """
 
     def __init__(self, program: Path, dtype: str, threads: int, shapes: list[tuple[int, int]]) -> None:
         spec = ",".join(f"{n}x{k}" for n, k in shapes)
         self.process = subprocess.Popen([str(program), GGML_TYPES[dtype], str(threads), spec], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
-        if self.process.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"{program} did not start (exit status {self.process.wait()})")
+        if self._reply() != "ready":
+            raise RuntimeError(f"{program} did not start")
+
+    def _ask(self, command: str) -> str:
+        try:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it exited: _reply says with which status
+        return self._reply()
+
+    def _reply(self) -> str:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(REPLY_TIMEOUT_S):
+                self.process.kill()
+                self.process.wait()
+                raise RuntimeError(f"ggml_gemv said nothing for {REPLY_TIMEOUT_S:.0f} s and was killed")
+        line = self.process.stdout.readline().strip()
+        if not line:
+            raise RuntimeError(f"ggml_gemv exited with status {self.process.wait()}")
+        return line
 
     def run(self) -> float:
-        self.process.stdin.write("run\n")
-        self.process.stdin.flush()
-        return float(self.process.stdout.readline())
+        return float(self._ask("run"))
 
     def output_sum(self) -> float:
-        """The sum of every output of the last :meth:`run` (see ``ggml_gemv.cpp`` for the weights and x)."""
-        self.process.stdin.write("sum\n")
-        self.process.stdin.flush()
-        return float(self.process.stdout.readline())
+        """The sum of every output of the last :meth:`run` (0 before the first; see ``ggml_gemv.cpp`` for the
+        weights and x)."""
+        return float(self._ask("sum"))
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.write("quit\n")
-            self.process.stdin.close()
+            try:
+                self.process.stdin.write("quit\n")
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
             self.process.wait(timeout=30)
+
+
+def huge_page_bytes(pid: int) -> int | None:
+    """Bytes of process ``pid``'s anonymous memory on transparent huge pages (``AnonHugePages`` of its
+    ``smaps_rollup``), or None where Linux does not say."""
+    try:
+        for line in (Path("/proc") / str(pid) / "smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def matrix_shapes(model_config) -> list[tuple[int, int]]:
@@ -112,8 +159,9 @@ def model_config_for(shape: str | None, model: str | None):
 
 
 def compare(model_config, dtype: str, threads: int, rounds: int, root: Path = LLAMACPP_DIR) -> dict:
-    """Alternates one pass of ours, one of llama.cpp's and the bandwidth probe ``rounds`` times (after one
-    untimed pass of each); returns the shapes, the bytes, each round's times and rates, and the medians.
+    """Alternates one pass of ours and one of llama.cpp's (in turn first, each after :data:`GAP_S` idle) and the
+    bandwidth probe ``rounds`` times (after one untimed pass of each); returns the bytes, each round's times, rates
+    and order, the medians, the median ratio for each side first, and each process's memory on huge pages.
 
     Raises:
         RuntimeError: small_gemm is not available for ``dtype`` here (no AVX-512 or AVX2 kernels).
@@ -143,23 +191,29 @@ def compare(model_config, dtype: str, threads: int, rounds: int, root: Path = LL
     ggml = GgmlGemv(build_program(root), dtype, threads, shapes)
     try:
         ours(), ggml.run()  # untimed: pages faulted in, threads started
+        huge_pages = {"ours": huge_page_bytes(os.getpid()), "llamacpp": huge_page_bytes(ggml.process.pid)}
         samples = []
         for i in range(rounds):
-            if i % 2:  # every other round llama.cpp first: neither always runs after the other's threads
-                ggml_ms, ours_ms = ggml.run(), ours()
-            else:
-                ours_ms, ggml_ms = ours(), ggml.run()
-            samples.append({"ours_ms": ours_ms, "llamacpp_ms": ggml_ms,
-                            "probe_gbps": measure_bandwidth_gbps(threads, repeats=3)})
+            first = "llamacpp" if i % 2 else "ours"  # in turn first: neither always runs after the other
+            times = {}
+            for side in (("llamacpp", "ours") if i % 2 else ("ours", "llamacpp")):
+                time.sleep(GAP_S)
+                times[side] = ggml.run() if side == "llamacpp" else ours()
+            samples.append({"ours_ms": times["ours"], "llamacpp_ms": times["llamacpp"],
+                            "probe_gbps": measure_bandwidth_gbps(threads, repeats=3), "first": first})
     finally:
         ggml.close()
     for s in samples:
         s["ours_gbps"] = weight_bytes / s["ours_ms"] / 1e6
         s["llamacpp_gbps"] = weight_bytes / s["llamacpp_ms"] / 1e6
         s["ours_vs_llamacpp_time"] = s["ours_ms"] / s["llamacpp_ms"]
+    numeric = [key for key in samples[0] if key != "first"]
+    by_first = {side: statistics.median(s["ours_vs_llamacpp_time"] for s in samples if s["first"] == side)
+                for side in ("ours", "llamacpp") if any(s["first"] == side for s in samples)}
     return {"dtype": dtype, "threads": threads, "matrices": len(shapes), "weight_bytes": weight_bytes,
-            "llamacpp": llamacpp_version(root), "rounds": samples,
-            "median": {key: statistics.median(s[key] for s in samples) for key in samples[0]}}
+            "llamacpp": llamacpp_version(root), "gap_s": GAP_S, "huge_page_bytes": huge_pages, "rounds": samples,
+            "median": {key: statistics.median(s[key] for s in samples) for key in numeric},
+            "median_ratio_by_first": by_first}
 
 
 def markdown(result: dict, every_round: bool = False) -> str:
@@ -180,6 +234,15 @@ def markdown(result: dict, every_round: bool = False) -> str:
                      f"{s['ours_gbps']:.1f} | {s['llamacpp_gbps']:.1f} | {s['probe_gbps']:.1f} |")
     ratios = ", ".join(f"{s['ours_vs_llamacpp_time']:.2f}" for s in rounds)
     lines += ["", f"Each round's ours / llama.cpp time, in order: {ratios}."]
+    by_first = result.get("median_ratio_by_first") or {}
+    if by_first:
+        lines[-1] += (" Median by the side that ran first: " + ", ".join(
+            f"{'ours' if side == 'ours' else 'llama.cpp'} first {value:.2f}x" for side, value in by_first.items())
+                      + f" ({result['gap_s']:.1f} s idle before each pass).")
+    huge = result.get("huge_page_bytes") or {}
+    if huge.get("ours") is not None and huge.get("llamacpp") is not None:
+        lines[-1] += (f" On 2 MiB pages: {huge['ours'] / 1e9:.2f} GB of our process's memory, "
+                      f"{huge['llamacpp'] / 1e9:.2f} GB of llama.cpp's.")
     return "\n".join(lines)
 
 
@@ -192,10 +255,14 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--shape", default="smollm2-1.7b", help="a benchmark shape (benchmarks/shapes.py), or `default` for the default model")
     source.add_argument("--model", help="a model directory or hub id (its config only)")
     parser.add_argument("--dtype", choices=sorted(GGML_TYPES), default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="threads of each side (default: torch's default, as the benchmark's)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--output", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
+    if args.threads is None:
+        import torch
+
+        args.threads = torch.get_num_threads()
     if args.rounds < 1 or args.threads < 1:
         parser.error("--rounds and --threads must be at least 1")
     from benchmarks.machine import machine_info

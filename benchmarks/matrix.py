@@ -180,7 +180,8 @@ def run_kernel(args: list[str], output_dir: Path, resume: bool = False, timeout_
 
 def condense_kernel(result: dict) -> dict:
     """The kernel comparison's figures the matrix keeps: each round's times, rates and ratio, and the medians."""
-    keep = ("dtype", "threads", "matrices", "weight_bytes", "llamacpp", "rounds", "median", "command", "date")
+    keep = ("dtype", "threads", "matrices", "weight_bytes", "llamacpp", "gap_s", "huge_page_bytes", "rounds", "median",
+            "median_ratio_by_first", "command", "date")
     return {key: result[key] for key in keep if key in result}
 
 

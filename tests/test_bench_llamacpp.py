@@ -185,6 +185,7 @@ def test_ggml_gemv_computes_every_matrix_and_times_both_kernels(tiny_model_dir, 
     for dtype in ("bfloat16", "float32"):
         gemv = GgmlGemv(build_program(), dtype, 2, shapes)
         try:
+            assert gemv.output_sum() == 0  # zeroed after the warm-up: a sum is what the last run computed
             assert gemv.run() > 0
             assert gemv.output_sum() == pytest.approx(expected, rel=1e-5)
         finally:
@@ -198,6 +199,13 @@ def test_ggml_gemv_computes_every_matrix_and_times_both_kernels(tiny_model_dir, 
     for s in result["rounds"]:
         assert s["ours_ms"] > 0 and s["llamacpp_ms"] > 0 and s["probe_gbps"] > 0
         assert s["ours_vs_llamacpp_time"] == pytest.approx(s["ours_ms"] / s["llamacpp_ms"])
+    assert [s["first"] for s in result["rounds"]] == ["ours", "llamacpp"]
+    assert result["median_ratio_by_first"] == {side: s["ours_vs_llamacpp_time"]
+                                               for side, s in zip(("ours", "llamacpp"), result["rounds"])}
+    gemv = GgmlGemv(build_program(), "float32", 1, shapes)
+    gemv.process.kill()  # a program that dies says so, with its status
+    with pytest.raises(RuntimeError, match="exited with status -9"):
+        gemv.run()
     # as the matrix runs it: a process of its own, the result kept for --resume
     from benchmarks import matrix
 
