@@ -151,31 +151,37 @@ def _run_process(command: list[str], timeout_s: float | None) -> int:
         raise
 
 
-def run_kernel(args: list[str], output_dir: Path, resume: bool = False, timeout_s: float | None = None) -> dict:
-    """Runs ``python -m benchmarks.ggml_gemv ARGS --output OUTPUT_DIR/result.json`` in a process of its own; its
-    result. With ``resume``, a result already there that this very command wrote on this machine is returned
-    instead.
+def _run_kept(module: str, args: list[str], output: list[str], path: Path, resume: bool, timeout_s: float | None,
+              usable=lambda kept: True) -> dict:
+    """Runs ``python -m MODULE ARGS OUTPUT`` in a process of its own (:func:`_run_process`); the JSON it wrote at
+    ``path``. With ``resume``, one already there that this very command wrote on this machine, and that ``usable``
+    accepts, is returned instead.
 
     Raises:
         RuntimeError: the run failed (its exit status; its output went to this process's standard error) or ran
-            past ``timeout_s`` seconds.
+            past ``timeout_s`` seconds (it and the processes it started are killed).
     """
-    result_path = output_dir / "result.json"
-    command = [sys.executable, "-m", "benchmarks.ggml_gemv", *args, "--output", str(result_path)]
-    if resume and result_path.exists():
+    command = [sys.executable, "-m", module, *args, *output]
+    if resume and path.exists():
         try:
-            result = json.loads(result_path.read_text())
-        except ValueError:
-            result = {}
-        if (result.get("command") == " ".join(["python -m benchmarks.ggml_gemv", *command[3:]])
-                and same_machine(result.get("machine"))):
-            log.info("kept %s (--resume)", result_path)
-            return result
+            kept = json.loads(path.read_text())
+        except ValueError:  # cut short: run it again
+            kept = {}
+        if (kept.get("command") == " ".join([f"python -m {module}", *command[3:]]) and usable(kept)
+                and same_machine(kept.get("machine"))):
+            log.info("kept %s (--resume)", path)
+            return kept
     log.info("running %s", " ".join(command[1:]))
     status = _run_process(command, timeout_s)
     if status != 0:
-        raise RuntimeError(f"`python -m benchmarks.ggml_gemv {' '.join(args)}` exited with {status}")
-    return json.loads(result_path.read_text())
+        raise RuntimeError(f"`python -m {module} {' '.join(args)}` exited with {status}")
+    return json.loads(path.read_text())
+
+
+def run_kernel(args: list[str], output_dir: Path, resume: bool = False, timeout_s: float | None = None) -> dict:
+    """``python -m benchmarks.ggml_gemv ARGS --output OUTPUT_DIR/result.json`` (:func:`_run_kept`); its result."""
+    path = output_dir / "result.json"
+    return _run_kept("benchmarks.ggml_gemv", args, ["--output", str(path)], path, resume, timeout_s)
 
 
 def condense_kernel(result: dict) -> dict:
@@ -186,29 +192,10 @@ def condense_kernel(result: dict) -> dict:
 
 
 def run_cell(args: list[str], output_dir: Path, resume: bool = False, timeout_s: float | None = None) -> dict:
-    """Runs ``python -m benchmarks ARGS --output-dir OUTPUT_DIR`` in a process of its own; its report. With
-    ``resume``, a report already in OUTPUT_DIR that this very command wrote on this machine is returned instead.
-
-    Raises:
-        RuntimeError: the run failed (its exit status; its log went to this process's standard error) or ran past
-            ``timeout_s`` seconds (it and the peers it started are killed).
-    """
-    command = [sys.executable, "-m", "benchmarks", *args, "--output-dir", str(output_dir)]
-    kept = output_dir / "report.json"
-    if resume and kept.exists():
-        try:
-            report = json.loads(kept.read_text())
-        except ValueError:  # cut short: run the cell again
-            report = {}
-        if (report.get("command") == " ".join(["python -m benchmarks", *command[3:]]) and not report.get("skipped")
-                and same_machine(report.get("machine"))):
-            log.info("kept %s (--resume)", kept)
-            return report
-    log.info("running %s", " ".join(command[1:]))
-    status = _run_process(command, timeout_s)
-    if status != 0:
-        raise RuntimeError(f"`python -m benchmarks {' '.join(args)}` exited with {status}")
-    return json.loads((output_dir / "report.json").read_text())
+    """``python -m benchmarks ARGS --output-dir OUTPUT_DIR`` (:func:`_run_kept`; a kept report only where every
+    system ran); its report."""
+    return _run_kept("benchmarks", args, ["--output-dir", str(output_dir)], output_dir / "report.json", resume,
+                     timeout_s, usable=lambda kept: not kept.get("skipped"))
 
 
 def condense(report: dict) -> dict:
