@@ -131,8 +131,8 @@ def same_machine(kept: dict | None) -> bool:
 
 
 def _run_process(command: list[str], timeout_s: float | None) -> int:
-    """Runs ``command`` (its output to this process's standard error, its standard output dropped) in a session
-    of its own; its exit status. Past ``timeout_s`` seconds it and every process it started (a llama-server, vLLM's
+    """Runs ``command`` (its output to this process's standard error, its standard output dropped) as the leader of
+    a process group of its own; its exit status. Past ``timeout_s`` seconds it and every process it started (a llama-server, vLLM's
     workers) are killed.
 
     Raises:
