@@ -56,24 +56,28 @@ def total_bytes() -> int | None:
 
 
 def release_free_memory() -> str | None:
-    """Hands the memory this process's C allocator holds freed back to the OS; which allocator did (``"tcmalloc"``,
-    ``"glibc"``), or None where neither call exists.
+    """Hands the memory this process's C allocator holds freed back to the OS; which allocator's call ran
+    (``"tcmalloc"``, ``"glibc"``), or None where neither exists (musl, macOS) or the process's symbols cannot be read.
 
-    Loading a model allocates and frees gigabytes of temporaries (the checkpoint's tensors before conversion, the
-    weights before packing). tcmalloc, which the launcher preloads (``serve/allocator.py``), keeps freed spans for
-    reuse and returns them to the OS only slowly: loading the 1.7B shape in fp32 left the process at 18.0 GB
-    resident with 11.8 GB in use (glibc's malloc: 11.8), and a KV cache sized from ``MemAvailable`` afterwards came
-    out smaller by the difference. ``MallocExtension_ReleaseFreeMemory`` (tcmalloc) and ``malloc_trim(0)`` (glibc:
-    every arena's free pages, not only the heap's top) return it; memory in use is untouched.
+    Loading a model allocates and frees gigabytes (the checkpoint's own tensors, replaced by packed copies). tcmalloc,
+    which the launcher preloads (``serve/allocator.py``), keeps freed spans for reuse and returns them to the OS only
+    slowly: the 1.7B shape in fp32 stayed at 18.0 GB resident with 11.8 GB in use (glibc's malloc: 11.8), memory no
+    other process on the machine could get. ``MallocExtension_ReleaseFreeMemory`` (tcmalloc) and ``malloc_trim(0)``
+    (glibc: every arena's free pages, not only the heap's top) return it; memory in use is untouched. Both are
+    called where both exist (tcmalloc loaded beside glibc's malloc still in use).
     """
-    process = ctypes.CDLL(None)  # the symbols the process has loaded, a preloaded allocator's first
     try:
-        process.MallocExtension_ReleaseFreeMemory()
-        return "tcmalloc"
-    except AttributeError:
-        pass
-    try:
-        process.malloc_trim(0)
-        return "glibc"
-    except AttributeError:
+        process = ctypes.CDLL(None)  # the symbols the process has loaded, a preloaded allocator's first
+    except OSError:
         return None
+    ran = None
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+        ran = "tcmalloc"
+    trim = getattr(process, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim(0)
+        ran = ran or "glibc"
+    return ran

@@ -114,7 +114,11 @@ class GgmlGemv:
                 self.process.stdin.close()
             except BrokenPipeError:
                 pass
-            self.process.wait(timeout=30)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def huge_page_bytes(pid: int) -> int | None:

@@ -130,6 +130,7 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
     except Exception as exc:  # e.g. no tritonserver here: say so and go on
         skipped[name] = f"could not start: {_one_line(exc)}"
         log.warning("%s skipped: %s", name, skipped[name])
+        _release()  # what a half-built system took
         return []
     runs = []
     try:
@@ -150,15 +151,21 @@ def _run_system(name: str, round_index: int, config: BenchConfig, model_dir: str
         log.exception("%s failed", name)
         skipped[name] = f"failed: {_one_line(exc)}"
     finally:
-        system.close()
-        del system
-        gc.collect()
-        # what the closed system freed, back to the OS before the next starts (tcmalloc keeps freed memory: an fp32
-        # 1.7B engine left 11 GB resident after closing, and vLLM could not allocate its KV cache)
-        from backend.host_memory import release_free_memory
-
-        release_free_memory()
+        try:
+            system.close()
+        finally:
+            del system
+            _release()
     return runs
+
+
+def _release() -> None:
+    """What a closed system freed, back to the OS before the next one starts (tcmalloc keeps freed memory: an fp32
+    1.7B engine left 11 GB resident after closing, and vLLM could not allocate its KV cache)."""
+    from backend.host_memory import release_free_memory
+
+    gc.collect()
+    release_free_memory()
 
 
 def _probe_machine(config: BenchConfig) -> dict | None:

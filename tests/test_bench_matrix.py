@@ -116,19 +116,19 @@ def test_the_kernel_comparison_runs_where_both_kernels_read_the_same_weight_form
 
 
 def test_the_kernel_goal_is_the_median_of_its_rounds_and_the_page_shows_it():
-    rounds = [{"ours_vs_llamacpp_time": r} for r in (0.9, 1.1, 0.8)]
+    rounds = [{"ours_vs_llamacpp_time": r} for r in (1.1, 0.9, 0.8)]
     kernel = {"matrices": 9, "weight_bytes": 2e9, "rounds": rounds,
               "median": {"ours_ms": 50.0, "llamacpp_ms": 55.0, "ours_vs_llamacpp_time": 0.9, "ours_gbps": 40.0,
                          "llamacpp_gbps": 36.4, "probe_gbps": 41.0}}
     cell = {"runs": [{**run("engine", 0, 1, 60.0), "requests": 12, "ttft_s_p50": 0.5}], "config": {},
             "checks": {"all_tokens_exact": True}}
     (goal,) = [g for g in matrix.goals({Cell("s", "d", 1): cell}, kernel) if g["name"].startswith("one row")]
-    assert goal["value"] == 0.9 and goal["rounds"] == [0.9, 1.1, 0.8] and goal["met"] is True
+    assert goal["value"] == 0.9 and goal["rounds"] == [1.1, 0.9, 0.8] and goal["met"] is True
     report = {"groups": [{"shape": "s", "dtype": "d", "cells": [{"name": "s-d-c1", "streams": 1, **cell}],
                           "kernel": kernel, "goals": matrix.goals({Cell("s", "d", 1): cell}, kernel)}]}
     page = matrix.page_markdown(report)
     assert "ours 50.0 ms (40.0 GB/s), llama.cpp's kernel 55.0 ms (36.4 GB/s)" in page
-    assert ("| one row through every weight, kernel time, ours / llama.cpp | <= 1.0x | 0.90x | 0.90, 1.10, 0.80 | yes |"
+    assert ("| one row through every weight, kernel time, ours / llama.cpp | <= 1.0x | 0.90x | 1.10, 0.90, 0.80 | yes |"
             in page)
     (none,) = [g for g in matrix.goals({Cell("s", "d", 1): cell}) if g["name"].startswith("one row")]
     assert none["value"] is none["met"] is None
@@ -143,9 +143,9 @@ def test_a_cell_past_its_timeout_is_killed_with_the_processes_it_started(tmp_pat
     command = [sys.executable, "-c", "import subprocess, sys, time; child = subprocess.Popen(['sleep', '60']); "
                f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"]
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="ran past 2 s and was killed"):
-        matrix._run_process(command, timeout_s=2)
-    assert time.monotonic() - started < 30
+    with pytest.raises(RuntimeError, match="ran past 10 s and was killed"):
+        matrix._run_process(command, timeout_s=10)  # time for the child to start its own and say which
+    assert time.monotonic() - started < 40
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # gone, or a zombie until whoever adopted it reaps it
@@ -168,6 +168,6 @@ def test_resume_keeps_only_what_this_machine_measured():
     here = machine_info(2)
     assert matrix.same_machine(here)
     assert not matrix.same_machine({**here, "cpu_model": "another CPU"})
-    assert not matrix.same_machine({**here, "cpu_features": here["cpu_features"][:-1]})
+    assert not matrix.same_machine({**here, "cpu_features": [*here["cpu_features"], "another feature"]})
     assert not matrix.same_machine({**here, "usable_cpus": here["usable_cpus"] + 1})
     assert not matrix.same_machine(None) and not matrix.same_machine({})
