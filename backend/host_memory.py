@@ -55,16 +55,22 @@ def total_bytes() -> int | None:
         return None
 
 
+JEMALLOC_ALL_ARENAS = 4096  # jemalloc's MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena
+
+
 def release_free_memory() -> str | None:
     """Hands the memory this process's C allocator holds freed back to the OS; which allocator's call ran
-    (``"tcmalloc"``, ``"glibc"``), or None where neither exists (musl, macOS) or the process's symbols cannot be read.
+    (``"tcmalloc"``, ``"jemalloc"``, ``"glibc"``), or None where none exists (musl, macOS) or the process's symbols
+    cannot be read.
 
     Loading a model allocates and frees gigabytes (the checkpoint's own tensors, replaced by packed copies). tcmalloc,
     which the launcher preloads (``serve/allocator.py``), keeps freed spans for reuse and returns them to the OS only
     slowly: the 1.7B shape in fp32 stayed at 18.0 GB resident with 11.8 GB in use (glibc's malloc: 11.8), memory no
     other process on the machine could get. ``MallocExtension_ReleaseFreeMemory`` (tcmalloc) and ``malloc_trim(0)``
-    (glibc: every arena's free pages, not only the heap's top) return it; memory in use is untouched. Both are
-    called where both exist (tcmalloc loaded beside glibc's malloc still in use).
+    (glibc: every arena's free pages, not only the heap's top) return it, and jemalloc's ``arena.<all>.purge``
+    (which Triton's docs suggest preloading as well; it would otherwise return freed pages over its decay time, 10 s
+    by default); memory in use is untouched. glibc's is called besides a preloaded allocator's (glibc's malloc may
+    still hold what was allocated before the preloaded one took over, and the call is harmless otherwise).
     """
     try:
         process = ctypes.CDLL(None)  # the symbols the process has loaded, a preloaded allocator's first
@@ -75,6 +81,11 @@ def release_free_memory() -> str | None:
     if release is not None:
         release()
         ran = "tcmalloc"
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None:
+        mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        if mallctl(f"arena.{JEMALLOC_ALL_ARENAS}.purge".encode(), None, None, None, 0) == 0:
+            ran = ran or "jemalloc"
     trim = getattr(process, "malloc_trim", None)
     if trim is not None:
         trim.argtypes = [ctypes.c_size_t]

@@ -40,6 +40,7 @@ hashed into the prefix cache: the KV cache manager registers only blocks full of
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 
@@ -49,8 +50,10 @@ from backend.ngram_proposer import NgramProposer, can_speculate
 from backend.request import Request, RequestStatus
 from backend.scheduler_output import ScheduledRequest, SchedulerOutput
 from backend.stats import SchedulerStats
-from backend.step_cost import StepCost
+from backend.step_cost import DECAY, StepCost
 from backend.stopping import stop_status
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -68,6 +71,7 @@ class Scheduler:
         self.max_step_s = config.max_step_ms / 1000 if config.max_step_ms else None
         self.step_cost = StepCost() if self.max_step_s else None
         self.min_prefill_tokens = config.block_size  # prefill tokens a step always admits under max_step_ms
+        self._warned_budget_full = False  # whether the log has said that decodes alone fill max_step_ms
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_waiting_tokens = 0  # tokens of the waiting requests (all to be computed when admitted)
@@ -243,7 +247,18 @@ class Scheduler:
             return float("inf")
         num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         units = self.step_cost.units_within(self.max_step_s, 2 * num_decodes)
-        return float("inf") if units is None else max(units, self.min_prefill_tokens + 1)
+        if units is None:
+            return float("inf")
+        # Said once the fit has a window of steps behind it (a cold first step would say so at start-up).
+        if units == 0 and not self._warned_budget_full and self.step_cost.num_steps >= round(1 / (1 - DECAY)):
+            self._warned_budget_full = True
+            base, per_unit = self.step_cost.line()
+            log.warning("max_step_ms %g is less than %d running decodes take (about %.0f ms a step here): prompts "
+                        "now enter %d tokens a step, so time to first token grows with the load; a budget a few "
+                        "times the decode step bounds streams' gaps without starving prompts (docs/configuration.md, "
+                        "step time budget)", self.max_step_s * 1000, num_decodes,
+                        (base + per_unit * 2 * num_decodes) * 1000, self.min_prefill_tokens)
+        return max(units, self.min_prefill_tokens + 1)
 
     def _shared(self) -> bool:
         """Whether the running and waiting requests have more than one fairness key between them."""

@@ -24,11 +24,13 @@ class StepCost:
 
     def __init__(self) -> None:
         self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self.num_steps = 0  # steps observed (the fit weighs about the last 1 / (1 - DECAY) of them)
 
     def observe(self, work: int, seconds: float) -> None:
         """One step: ``work`` units (tokens + sampling rows) took ``seconds`` of wall time."""
         if work <= 0 or seconds <= 0:
             return
+        self.num_steps += 1
         d = DECAY
         self._n = d * self._n + 1.0
         self._x = d * self._x + work

@@ -50,6 +50,8 @@ class BenchConfig:
         max_num_seqs / max_num_batched_tokens / block_size / kv_cache_bytes: the batching limits and KV pool
             (bytes) given to our engine and, translated, to transformers' continuous batching; they match the
             server's model ``llm`` version 2 (its KV pool is 20% of free memory, at most 4 GiB: 4 GiB here).
+        max_step_ms: our in-process engine's step time budget (0: none, the library default; the served model
+            sets 50; ``benchmarks.step_budget`` compares them).
         ceiling_steps: timed decode steps of the forward-only ceiling.
         stream_interval: our engine's and server's ``stream_interval`` (1: every token streamed on its own;
             vLLM is run with its default, 1).
@@ -92,6 +94,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_bytes: int = 4 << 30
+    max_step_ms: float = 0.0
     ceiling_steps: int = 16
     stream_interval: int = 1
     served_offline_stream: bool = False
@@ -117,6 +120,8 @@ class BenchConfig:
                      "block_size", "kv_cache_bytes", "ceiling_steps", "stream_interval", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (0 <= self.max_step_ms < math.inf):
+            raise ValueError(f"max_step_ms must be a non-negative number of milliseconds, got {self.max_step_ms}")
         if self.llamacpp_quant not in (None, *LLAMACPP_QUANTS):
             raise ValueError(f"llamacpp_quant must be one of {', '.join(LLAMACPP_QUANTS)} (or None), "
                              f"got {self.llamacpp_quant!r}")

@@ -137,9 +137,8 @@ def matrix_shapes(model_config) -> list[tuple[int, int]]:
     """(out_features, in_features) of every matrix one decode step reads, in the order a step reads them."""
     from benchmarks.memory_floor import linear_shapes
 
-    per_layer = [(n, k) for count, n, k in linear_shapes(model_config) if count > 1]
-    head = [(n, k) for count, n, k in linear_shapes(model_config) if count == 1]
-    return per_layer * model_config.num_hidden_layers + head
+    *per_layer, (_, vocab, hidden) = linear_shapes(model_config)  # the LM head comes last
+    return [(n, k) for _, n, k in per_layer] * model_config.num_hidden_layers + [(vocab, hidden)]
 
 
 def model_config_for(shape: str | None, model: str | None):

@@ -56,7 +56,7 @@ DEFAULT_STREAMS = (1, 4, 16)
 DEFAULT_SYSTEMS = ("engine", "vllm", "llamacpp")
 OFFLINE_REQUESTS = 12  # the quick workload's; a concurrent cell runs max(12, 2 x streams) so the loop stays full
 RUN_KEYS = ("system", "mode", "round", "requests", "output_tokens", "expected_tokens", "duration_s",
-            "output_tokens_per_s", "ttft_s_p50", "ttft_s_p99", "itl_ms_p50", "itl_ms_p99", "mean_batch",
+            "output_tokens_per_s", "ttft_s_p50", "ttft_s_mean", "ttft_s_p99", "itl_ms_p50", "itl_ms_p99", "mean_batch",
             "machine_gflops_before", "notes")
 CELL_OPTIONS = {"--shape", "--dtype", "--systems", "--modes", "--concurrency", "--quick", "--num-requests", "--rounds",
                 "--limits", "--no-progress", "--output-dir"}
@@ -271,9 +271,10 @@ def page_markdown(report: dict) -> str:
         weights = group["dtype"] + (f", ours {quant}" if quant != "none" else "") + (
             f", llama.cpp {config['llamacpp_quant']}" if config.get("llamacpp_quant") else "")
         rounds = 1 + max((r.get("round") or 0 for c in cells for r in c["runs"]), default=0)
+        mean = any(r.get("ttft_s_mean") is not None for c in cells for r in c["runs"])  # older reports lack it
         lines += [f"**{group['shape']}** ({weights}; {rounds} round{'s' if rounds > 1 else ''} per cell, alternating "
                   f"systems; medians, spread (max - min) / median in brackets):", "",
-                  "| System | Cell | Requests | Tokens/s | TTFT p50 (s) | ITL p50 (ms) |", "|---|---|---:|---:|---:|---:|"]
+                  *_table_head(mean)]
         for cell in cells:
             label = "offline" if cell["streams"] is None else f"{cell['streams']} stream{'s' * (cell['streams'] > 1)}"
             for system in dict.fromkeys(r["system"] for r in cell["runs"]):
@@ -281,9 +282,11 @@ def page_markdown(report: dict) -> str:
                 lines.append(f"| {LABELS.get(system, system)} | {label} | {runs[0]['requests']} | "
                              f"{_median_text(runs, 'output_tokens_per_s', '{:.1f}')} | "
                              f"{_median_text(runs, 'ttft_s_p50', '{:.2f}')} | "
-                             f"{_median_text(runs, 'itl_ms_p50', '{:.0f}')} |")
+                             + (f"{_median_text(runs, 'ttft_s_mean', '{:.2f}')} | " if mean else "")
+                             + f"{_median_text(runs, 'itl_ms_p50', '{:.0f}')} |")
             for system, why in cell.get("skipped", {}).items():
-                lines.append(f"| {LABELS.get(system, system)} | {label} | | skipped: {why.replace('|', '/')} | | |")
+                lines.append(f"| {LABELS.get(system, system)} | {label} | | skipped: {why.replace('|', '/')} | | |"
+                             + (" |" if mean else ""))
         # the limits the floor goal divides by: the one-stream cell's, else the first measured
         limits = next((c["limits"] for c in sorted(cells, key=lambda c: c["streams"] != 1) if c.get("limits")), None)
         if limits:
@@ -313,6 +316,14 @@ def page_markdown(report: dict) -> str:
     for name, why in report.get("failed", {}).items():
         lines.append(f"Cell {name} has no figures: {why}.")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _table_head(mean: bool) -> list[str]:
+    """The header rows of a group's table, with a TTFT mean column or without."""
+    if mean:
+        return ["| System | Cell | Requests | Tokens/s | TTFT p50 (s) | TTFT mean (s) | ITL p50 (ms) |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+    return ["| System | Cell | Requests | Tokens/s | TTFT p50 (s) | ITL p50 (ms) |", "|---|---|---:|---:|---:|---:|"]
 
 
 def _median_text(runs: list[dict], field: str, fmt: str) -> str:

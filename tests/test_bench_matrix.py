@@ -171,3 +171,27 @@ def test_resume_keeps_only_what_this_machine_measured():
     assert not matrix.same_machine({**here, "cpu_features": [*here["cpu_features"], "another feature"]})
     assert not matrix.same_machine({**here, "usable_cpus": here["usable_cpus"] + 1})
     assert not matrix.same_machine(None) and not matrix.same_machine({})
+
+
+def test_the_table_gives_the_ttft_mean_where_a_burst_and_the_rest_split_p50():
+    """16 requests at once, then 16 one by one: p50 falls between the two groups; the mean column counts both.
+    A report from before the mean was recorded keeps its old table."""
+    from benchmarks.records import RequestRecord, SystemRun, summarize
+
+    ttfts = [14.0] * 16 + [2.0 + 0.1 * k for k in range(16)]  # the burst's prompts in one step; then one by one
+    records = []
+    for i, ttft in enumerate(ttfts):
+        r = RequestRecord(i, 0.0 if i < 16 else 20.0 + i, 4)
+        r.token_times = [r.arrival + ttft + k * 0.2 for k in range(4)]
+        r.finish, r.num_output_tokens = r.token_times[-1], 4
+        records.append(r)
+    s = summarize(SystemRun("engine", "concurrent", records, 0.0))
+    assert s["ttft_s_p50"] == pytest.approx((3.5 + 14.0) / 2)  # between the groups
+    assert s["ttft_s_mean"] == pytest.approx(sum(ttfts) / 32) == pytest.approx(8.375)
+    runs = [{**run("engine", 0, 16, 30.0), "requests": 32, "ttft_s_p50": 8.5, "ttft_s_mean": 6.25}]
+    cell = {"name": "s-d-c16", "streams": 16, "runs": runs, "config": {}, "checks": {"all_tokens_exact": True}}
+    page = matrix.page_markdown({"groups": [{"shape": "s", "dtype": "d", "cells": [cell], "goals": []}]})
+    assert "| TTFT p50 (s) | TTFT mean (s) | ITL p50 (ms) |" in page and "| 8.50 | 6.25 |" in page
+    old = {**cell, "runs": [{k: v for k, v in runs[0].items() if k != "ttft_s_mean"}]}
+    page = matrix.page_markdown({"groups": [{"shape": "s", "dtype": "d", "cells": [old], "goals": []}]})
+    assert "TTFT mean" not in page and "| 8.50 |" in page

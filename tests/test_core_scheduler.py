@@ -536,3 +536,26 @@ def test_a_preempted_chunk_gives_its_prefill_budget_back_to_the_request_that_pre
     assert [s.request_id for s in out.scheduled] == ["urgent"] and low.status == RequestStatus.PREEMPTED
     sim.run()
     assert (low.output_token_ids, low.status) == expected_output(tokens(5, 15), 1)
+
+
+def test_a_step_budget_that_decodes_alone_fill_is_logged_once(caplog):
+    """max_step_ms 20 with steps costing 2 ms + 1 ms per unit: 5 decodes (12 ms) leave room, 25 (52 ms) do not,
+    and once the fit has ~20 steps behind it the log says so, once, with the decode step's estimate."""
+    sim = CoreSim(num_blocks=512, block_size=4, max_step_ms=20)
+    for i in range(5):
+        sim.add_prompt(f"d{i}", tokens(i, 4), max_tokens=60)
+    for _ in range(4):
+        sim.step()
+    sim.add_prompt("p0", tokens(20, 1), max_tokens=1)
+    sim.step()
+    assert "max_step_ms" not in caplog.text
+    for i in range(20):
+        sim.add_prompt(f"e{i}", tokens(40 + i, 3), max_tokens=60)
+    for k in range(25):  # the fit weighs ~20 steps: the log waits for that many
+        if k == 10:
+            assert "max_step_ms" not in caplog.text
+        sim.step()
+        sim.add_prompt(f"q{k}", tokens(60 + k, 1), max_tokens=1)
+    warnings = [r for r in caplog.records if "max_step_ms 20 is less than" in r.getMessage()]
+    assert len(warnings) == 1 and "prompts now enter 4 tokens a step" in warnings[0].getMessage()
+    sim.run()
