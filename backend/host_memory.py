@@ -69,8 +69,8 @@ def release_free_memory() -> str | None:
     other process on the machine could get. ``MallocExtension_ReleaseFreeMemory`` (tcmalloc) and ``malloc_trim(0)``
     (glibc: every arena's free pages, not only the heap's top) return it, and jemalloc's ``arena.<all>.purge``
     (which Triton's docs suggest preloading as well; it would otherwise return freed pages over its decay time, 10 s
-    by default); memory in use is untouched. glibc's is called besides a preloaded allocator's (glibc's malloc may
-    still hold what was allocated before the preloaded one took over, and the call is harmless otherwise).
+    by default, and without a background thread only as it allocates again); memory in use is untouched. glibc's
+    call runs besides a preloaded allocator's: it costs little and frees nothing that is in use.
     """
     try:
         process = ctypes.CDLL(None)  # the symbols the process has loaded, a preloaded allocator's first

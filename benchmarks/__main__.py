@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     config = parse_args(argv)
     if argv is None:  # run as a program (not called by a test): the in-process systems get the served allocator
-        _preload_allocator(sys.argv[1:])
+        preload_allocator("benchmarks", sys.argv[1:])
     if not config.progress:
         from transformers.utils import logging as transformers_logging
 
@@ -122,10 +122,11 @@ MALLOC_ENV = "LLM_BENCH_MALLOC"  # the allocator of this process's in-process sy
 PRELOAD_ENV = "LLM_BENCH_PRELOAD"  # the library this process preloaded for them, which peers must not inherit
 
 
-def _preload_allocator(args: list[str]) -> None:
-    """Runs ``python -m benchmarks`` again with the allocator the served engine gets (``serve.allocator``:
+def preload_allocator(module: str, args: list[str]) -> None:
+    """Runs ``python -m MODULE ARGS`` again with the allocator the served engine gets (``serve.allocator``:
     tcmalloc where installed; ``LLM_MALLOC=system`` keeps glibc's), once, so that the in-process engine is
-    measured as served. Peers started from here leave it out (``serve.allocator.without``)."""
+    measured as served; the allocator, in words, is then in ``os.environ[MALLOC_ENV]``. Peers started from here
+    leave it out (``serve.allocator.without``)."""
     if MALLOC_ENV in os.environ:
         return
     from serve import allocator
@@ -136,7 +137,7 @@ def _preload_allocator(args: list[str]) -> None:
         os.environ[MALLOC_ENV] = malloc
         return
     env[PRELOAD_ENV] = allocator.tcmalloc_path() or ""
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *args], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
 
 
 if __name__ == "__main__":

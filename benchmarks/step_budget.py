@@ -3,15 +3,16 @@
 ``python -m benchmarks.step_budget [--shape smollm2-1.7b | --model DIR] [--dtype bfloat16] [--budgets 0,50,500]
 [--concurrency 16] [--num-requests 32] [--rounds 2] [--threads N] [--output-dir results/step-budget]``
 
-Our engine in process (``benchmarks.engine_system``, the matrix's settings but ``max_step_ms``) serves the quick
-workload's requests in the closed loop, ``concurrency`` in flight, once per budget and round, the budgets in turn
-each round (a machine whose speed drifts moves neighbouring runs together). Each run builds its engine afresh; its
+Our engine in process (``benchmarks.engine_system``, with the allocator the served engine gets, as ``python -m
+benchmarks`` runs it; the matrix's settings but ``max_step_ms``) serves the quick workload's requests in the closed
+loop, ``concurrency`` in flight, once per budget and round, the budgets in turn each round (a machine whose speed
+drifts moves neighbouring runs together). Each run builds its engine afresh; its
 warm-up request gives the step cost fit its first steps, as a served model's first requests would. The first
 ``concurrency`` requests arrive at once, so TTFT falls in two groups (that burst, and the requests sent as slots
 free); the report gives the TTFT mean beside p50 and p99 for that reason, and the burst's mean on its own.
 
-The trade it shows: a budget bounds the gaps in running streams (ITL p99) and costs prompts steps (TTFT, and in a
-closed loop tokens/s, since a slot in prefill produces nothing). Writes ``report.json`` under the output directory.
+The trade it shows: a budget bounds the gaps in running streams (ITL p99) and spreads prompts over more steps
+(TTFT). Writes ``report.json`` under the output directory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -74,8 +76,10 @@ def page_markdown(report: dict) -> str:
     """The per-budget medians as a table (``benchmarks.docs_page``)."""
     c = report["config"]
     lines = [f"{c['shape'] or c['model']}, {c['dtype']}, {c['concurrency']} streams, {c['num_requests']} requests, "
-             f"{c['rounds']} round(s) per budget; medians (range over rounds):", "",
-             "| max_step_ms | tokens/s | TTFT mean (s) | TTFT p50 / p99 (s) | burst TTFT mean (s) | ITL p50 / p99 (ms) |",
+             f"{c['rounds']} round(s) per budget, the engine on {c.get('engine_malloc', 'an unrecorded allocator')}; "
+             "medians (range over rounds):", "",
+             "| max_step_ms | tokens/s | TTFT mean (s) | TTFT p50 / p99 (s) | burst TTFT mean (s) "
+             "| ITL p50 / p99 (ms) |",
              "|---:|---:|---:|---:|---:|---:|"]
     for r in report["budgets"]:
         rng = lambda name, f: "-".join(f.format(v) for v in r[f"{name}_range"])  # noqa: E731
@@ -108,10 +112,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budgets takes comma-separated numbers, got {args.budgets!r}")
     if not budgets or args.rounds < 1:
         parser.error("give at least one budget and one round")
+    if any(not 0 <= b < float("inf") for b in budgets) or len(set(budgets)) < len(budgets):
+        parser.error(f"--budgets takes distinct milliseconds >= 0, got {args.budgets!r}")
+    if argv is None:  # run as a program (not called by a test): the engine gets the served allocator
+        from benchmarks.__main__ import MALLOC_ENV, preload_allocator
+
+        preload_allocator("benchmarks.step_budget", sys.argv[1:])
+        malloc = os.environ.get(MALLOC_ENV, "glibc malloc")
+    else:
+        malloc = "the calling process's allocator"
 
     import torch
     from transformers import AutoTokenizer
 
+    from backend.model_loader import resolve_model_dir
     from benchmarks.shapes import ensure_shape
     from benchmarks.workload import make_workload
 
@@ -123,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.model:
         values["model"] = args.model
     base = BenchConfig(**values, max_step_ms=budgets[0])
-    from backend.model_loader import resolve_model_dir
-
     workload = make_workload(AutoTokenizer.from_pretrained(resolve_model_dir(base.model)), base)
     machine = {**machine_info(threads), "loadavg_at_start": load_average()}
     runs = []
@@ -137,9 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "benchmarks.step_budget", "machine": machine,
               "command": " ".join(["python -m benchmarks.step_budget", *(sys.argv[1:] if argv is None else argv)]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "config": {"shape": args.shape, "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-                         "dtype": args.dtype, "concurrency": args.concurrency, "num_requests": args.num_requests,
-                         "rounds": args.rounds, "threads": threads, "budgets": budgets},
+              "config": {"shape": args.shape,
+                         "model": None if args.shape else args.model or "SmolLM2-135M-Instruct (embedded)",
+                         "engine_malloc": malloc, "dtype": args.dtype, "concurrency": args.concurrency,
+                         "num_requests": args.num_requests, "rounds": args.rounds, "threads": threads,
+                         "budgets": budgets},
               "workload": {k: v for k, v in workload.summary().items() if k != "requests"},
               "runs": runs, "budgets": summarize_budgets(runs)}
     out = Path(args.output_dir)

@@ -102,4 +102,6 @@ def test_a_built_engine_under_tcmalloc_keeps_no_freed_weights_resident():
                           cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     built, released = map(float, done.stdout.split()[-2:])
-    assert built - released < 0.03, done.stdout  # GB
+    # GB. What a release leaves is in tcmalloc's thread caches, 32 MiB in all by default whatever the core count
+    # (TCMALLOC_MAX_TOTAL_THREAD_CACHE_BYTES); the freed checkpoint was 0.12 GB.
+    assert built - released < 0.06, done.stdout

@@ -165,7 +165,7 @@ def test_ggml_gemv_takes_every_matrix_a_decode_step_reads_in_the_order_of_a_step
     assert shapes[-1] == (49152, 2048)  # the LM head
     assert sum(n * k for n, k in shapes) * 2 == weight_bytes(config, 2) == 3_422_552_064
     one_layer = matrix_shapes(config.__class__(**{**config.to_dict(), "num_hidden_layers": 1}))
-    assert one_layer == shapes[:4] + [(49152, 2048)]  # a one-layer model's matrices are not taken for heads
+    assert one_layer == shapes[:4] + [(49152, 2048)]  # one layer: its four matrices, then the head
     with pytest.raises(ValueError, match="unknown shape 'nope'"):
         model_config_for("nope", None)
 

@@ -15,6 +15,15 @@ def test_the_benchmark_config_carries_the_step_budget_to_the_engine():
         BenchConfig(max_step_ms=-1)
 
 
+@pytest.mark.parametrize("budgets", ["50,50", "-5", "fast", ""])
+def test_budgets_that_cannot_be_run_are_refused_before_anything_loads(budgets, capsys):
+    from benchmarks.step_budget import main
+
+    with pytest.raises(SystemExit):
+        main(["--budgets", budgets])
+    assert "--budgets" in capsys.readouterr().err or budgets == ""
+
+
 @pytest.mark.slow  # four engine builds and closed loops: the fast suite keeps its minutes for the engine itself
 def test_budgets_take_turns_and_each_row_is_the_median_of_its_rounds(tiny_model_dir, tmp_path, capsys):
     from benchmarks.step_budget import FIGURES, main
@@ -36,3 +45,4 @@ def test_budgets_take_turns_and_each_row_is_the_median_of_its_rounds(tiny_model_
         assert 0 < run["ttft_mean_s"] <= run["ttft_p99_s"] * 1.0001 and run["burst_ttft_mean_s"] > 0
     assert report["workload"]["num_requests"] == 5 and "requests" not in report["workload"]
     assert "| 5 |" in capsys.readouterr().out
+    assert report["config"]["model"] == str(tiny_model_dir) and report["config"]["shape"] is None

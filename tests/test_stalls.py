@@ -27,7 +27,10 @@ STREAM_GAP_S = 1.0  # added to the stream's largest gap
 # backend stub, which holds their GIL. In one step the small completion and the stream would wait for all of it;
 # spread over steps they wait for a share: the stream's longest added gap was up to 45% of the request's time on a
 # Zen 4 EPYC (0.79 s of 1.88), the completion's median delay up to 38%. The request is repeated over a few seconds
-# so that the median completion delay has samples to be a median of.
+# so that the median completion delay has samples to be a median of; that median is what holds the spreading to a
+# share. The stream's largest gap is a single sample (one stall of the frontend's per-request work anywhere in the
+# window): on the same machine kind it ranged from 12% to 67% of the request's time over five runs, so it keeps
+# the bound of a request that waits behind another, STREAM_GAP_S.
 SPREAD_BOUND_S = 0.3
 SPREAD_SHARE = 0.6  # of the 256-prompt request's own time
 
@@ -86,7 +89,7 @@ def test_256_prompts_are_spread_over_steps_that_leave_room_for_others(bench):
     # In one step the others would wait for nearly all of the request's compute (its own time); the bound is a
     # share of that time, so a slower machine, whose steps are all slower, is held to the same spreading.
     bound_s = max(SPREAD_BOUND_S, SPREAD_SHARE * max(row["heavy_s"]))
-    check(row, completion_bound_s=bound_s, stream_bound_s=bound_s)
+    check(row, completion_bound_s=bound_s)
 
 
 def test_chunked_flood_to_the_frontend_is_served_without_holding_up_others(bench):
