@@ -71,7 +71,7 @@ class Scheduler:
         self.max_step_s = config.max_step_ms / 1000 if config.max_step_ms else None
         self.step_cost = StepCost() if self.max_step_s else None
         self.min_prefill_tokens = config.block_size  # prefill tokens a step always admits under max_step_ms
-        self._warned_budget_full = False  # whether the log has said that max_step_ms holds prefill to its floor
+        self._warned_prefill_floor = False  # whether the log has said that max_step_ms holds prefill to its floor
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_waiting_tokens = 0  # tokens of the waiting requests (all to be computed when admitted)
@@ -250,9 +250,9 @@ class Scheduler:
         if units is None:
             return float("inf")
         # Said once the fit has a window of steps behind it (a cold first step would say so at start-up).
-        if (units <= self.min_prefill_tokens and not self._warned_budget_full
+        if (units <= self.min_prefill_tokens and not self._warned_prefill_floor
                 and self.step_cost.num_steps >= round(1 / (1 - DECAY))):
-            self._warned_budget_full = True
+            self._warned_prefill_floor = True
             base, per_unit = self.step_cost.line()
             log.warning("max_step_ms %g leaves prefill %d tokens a step: a step with %d running decodes takes about "
                         "%.0f ms here (the engine's fit of step time), so time to first token grows with the load; "

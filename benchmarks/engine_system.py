@@ -26,7 +26,8 @@ def engine_config(config: BenchConfig) -> EngineConfig:
     return EngineConfig(model=config.model, dtype=config.dtype, num_threads=config.threads,
                         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         block_size=config.block_size, kv_cache_memory_bytes=config.kv_cache_bytes,
-                        max_step_ms=config.max_step_ms, stream_interval=config.stream_interval, quantization=config.quantization)
+                        max_step_ms=config.max_step_ms, stream_interval=config.stream_interval,
+                        quantization=config.quantization)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
