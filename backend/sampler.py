@@ -228,9 +228,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     positions = torch.arange(vocab)[None, :]
     drop = positions >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep a token while the mass before it is below top_p (the most likely token is always kept).
+    # Keep a token while the mass before it is below top_p, and the most likely token whatever top_p is (one
+    # under fp32's smallest, 1e-300, is 0 here: it would drop every token).
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

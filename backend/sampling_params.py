@@ -190,19 +190,25 @@ class SamplingParams:
 
 
 def _logit_bias(value: object) -> dict[int, float]:
-    """``{token id (an int, or its decimal string as JSON keys are): bias}`` -> ``{int: float}``."""
+    """``{token id (an int, or its decimal string as JSON keys are): bias}`` -> ``{int: float}``. A string key is
+    ASCII digits only (Python's ``int`` would also take " 5", "+5", "5_0" and other scripts' digits), and no token
+    may be named twice ("5" and "05")."""
     if not isinstance(value, dict):
         raise ValueError(f"logit_bias must be an object of token id -> bias, got {_short(value)}")
     if len(value) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}")
     out = {}
     for key, bias in value.items():
-        try:
-            token_id = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
-        except ValueError:
+        if isinstance(key, int) and not isinstance(key, bool):
+            token_id = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit():
+            token_id = int(key)
+        else:
             token_id = None
         if token_id is None or token_id < 0:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {_short(key)}")
+        if token_id in out:
+            raise ValueError(f"logit_bias names token {token_id} twice")
         _float("logit_bias", bias, low=-100.0, high=100.0)
         out[token_id] = float(bias)
     return out

@@ -254,12 +254,12 @@ class Scheduler:
                 and self.step_cost.num_steps >= round(1 / (1 - DECAY))):
             self._warned_prefill_floor = True
             base, per_unit = self.step_cost.line()
-            log.warning("max_step_ms %g leaves prefill %d tokens a step: a step with %d running decodes takes about "
-                        "%.0f ms here (the engine's fit of step time), so time to first token grows with the load; "
-                        "about three times the decode step at the expected number of streams bounds their gaps "
-                        "without holding prefill back (docs/configuration.md, step time budget)",
-                        self.max_step_s * 1000, self.min_prefill_tokens, num_decodes,
-                        (base + per_unit * 2 * num_decodes) * 1000)
+            log.warning("max_step_ms %g leaves prefill %d tokens a step: a step with %d running decode%s takes about "
+                        "%.0f ms here and each prompt token adds about %.2f ms (the engine's fit of step time), so "
+                        "time to first token grows with the load; about three times the decode step at the expected "
+                        "number of streams bounds their gaps without holding prefill back (docs/configuration.md, "
+                        "step time budget)", self.max_step_s * 1000, self.min_prefill_tokens, num_decodes,
+                        "" if num_decodes == 1 else "s", (base + per_unit * 2 * num_decodes) * 1000, per_unit * 1000)
         return max(units, self.min_prefill_tokens + 1)
 
     def _shared(self) -> bool:

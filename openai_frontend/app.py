@@ -33,7 +33,7 @@ from openai_frontend.auth import protect
 from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError, internal_error
 from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
-                                    render_token_ids, warm_tokenizers)
+                                    render_token_ids, vocab_size, warm_tokenizers)
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
@@ -222,6 +222,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
         check_completion_count(len(prompts), 1, config.limits)
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
+        vocab = await asyncio.to_thread(vocab_size, config.model_repository, name, version)
+        for prompt in prompts:  # ids as the engine checks them: a render never answers what a request would refuse
+            if isinstance(prompt, list) and any(t >= vocab for t in prompt):
+                bad = next(t for t in prompt if t >= vocab)
+                raise OpenAIError(400, f"prompt token ids must be integers in [0, {vocab}), got {bad}",
+                                  "invalid_value", "prompt")
         ids = await render_token_ids(tokenizer, prompts, max_model_len(config.model_repository, name, version))
         return await json_response([{"token_ids": token_ids} for token_ids in ids])
 
@@ -396,8 +402,7 @@ class _View:
                 echoed = self._prompt_entries(prompt_index)
                 entries = echoed + entries
         choice.started = True
-        self.num_input_tokens[prompt_index] = delta.num_input_tokens
-        self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
+        self.count_prompt(prompt_index, delta)
         new_logprobs = None
         if self.top_n is not None:
             if choice.text_offsets is None:
@@ -454,6 +459,11 @@ class _View:
         return {"tokens": [name(e[0]) for e in entries], "token_logprobs": [e[1] for e in entries],
                 "top_logprobs": [None if top is None else {name(t): lp for t, lp in top} for _, _, top in entries],
                 "text_offset": offsets}
+
+    def count_prompt(self, prompt_index: int, delta: Delta) -> None:
+        """Records the prompt's token counts, which every delta of it carries."""
+        self.num_input_tokens[prompt_index] = delta.num_input_tokens
+        self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
 
     def usage(self) -> dict:
         prompt = sum(self.num_input_tokens.values())
@@ -554,6 +564,9 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
     usage = {"usage": None} if include_usage else {}
     try:
         if view.chat:  # every choice's role first, in index order (as OpenAI and vLLM; the SDK's stream needs it)
+            if view.continuous_usage:  # with the prompt's tokens (from the first delta) and none generated, as vLLM
+                view.count_prompt(*first)
+                usage = {"usage": view.usage()}
             for index in range(len(view.prompts) * view.n):
                 entry = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}

@@ -57,7 +57,9 @@ class _TooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI middleware: 413 for a request body over ``limit`` bytes.
+    """Pure ASGI middleware: 413 for a request body over ``limit`` bytes; 415 for a body sent with a
+    ``Content-Encoding`` (gzip, deflate, ...) other than ``identity``, which nothing here decodes (read as JSON, it
+    would fail as text that is not UTF-8, or be taken as it is).
 
     A body with ``Content-Length`` is checked from the header and then passed on as it streams (the server
     enforces the declared length). A body without one (chunked) is read here up to the limit, then
@@ -71,6 +73,11 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        encoding = next((value for name, value in scope["headers"] if name == b"content-encoding"), b"identity")
+        if encoding.strip().lower() != b"identity":
+            return await send_error(send, OpenAIError(
+                415, f"Content-Encoding {encoding.decode('latin-1')[:40]!r} is not supported: send the body "
+                     "uncompressed", "unsupported_media_type"))
         length = next((value for name, value in scope["headers"] if name == b"content-length"), None)
         if length is not None:
             if not length.isdigit():
@@ -226,14 +233,21 @@ def max_model_len(repository: Path, name: str, version: str) -> int:
             return int(value)
     except (TypeError, ValueError):
         pass  # the engine refused to load such a value: no request reaches this model
-    return _model_default_len(model_source(repository, name, version))
+    from backend.model_support import default_max_model_len
+
+    return default_max_model_len(_model_config(model_source(repository, name, version)))
+
+
+def vocab_size(repository: Path, name: str, version: str) -> int:
+    """The size of the vocabulary a model version embeds (its config's ``vocab_size``): token ids at or above it
+    are refused by the engine."""
+    return _model_config(model_source(repository, name, version)).vocab_size
 
 
 @lru_cache(maxsize=16)
-def _model_default_len(source: str) -> int:
+def _model_config(source: str):
     from transformers import AutoConfig
 
     from backend.model_loader import resolve_model_dir
-    from backend.model_support import default_max_model_len
 
-    return default_max_model_len(AutoConfig.from_pretrained(resolve_model_dir(source or None)))
+    return AutoConfig.from_pretrained(resolve_model_dir(source or None))

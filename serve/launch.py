@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     # --http-port's value instead of a traceback.
     parser = argparse.ArgumentParser(prog="python -m serve",
                                      description="Start tritonserver on this repository's model repository.")
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help="the Triton model repository to serve (default: this checkout's model_repository/)")
     parser.add_argument("--http-port", type=_port(1), default=os.environ.get("HTTP_PORT", "8000"),
                         help="Triton's HTTP port (env HTTP_PORT; default 8000)")
     parser.add_argument("--grpc-port", type=_port(1), default=os.environ.get("GRPC_PORT", "8001"),
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--triton-host", default=os.environ.get("TRITON_HOST", DEFAULT_TRITON_HOST),
                         help="address of tritonserver's HTTP, gRPC and metrics services (default 127.0.0.1: "
                              "reachable from this host only; 0.0.0.0 exposes them)")
-    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--log-verbose", type=int, default=0,
+                        help="tritonserver's --log-verbose level (default 0; 1 and above log each request)")
     parser.add_argument("--openai-port", type=_port(0), default=os.environ.get("OPENAI_PORT", "9000"),
                         help="port of the OpenAI frontend started beside tritonserver (0: none); its API key comes "
                              "from LLM_API_KEY or LLM_API_KEY_FILE in this environment")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drain-timeout-secs", type=_seconds, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM/SIGINT, wait at most this long for the models to drain and unload "
                              "(their own grace period is the model setting drain_grace_s) before stopping "
-                             "tritonserver")
+                             "tritonserver (default %(default)s)")
     parser.add_argument("--max-restarts", type=int, default=os.environ.get("MAX_RESTARTS", str(DEFAULT_MAX_RESTARTS)),
                         help="restarts of tritonserver (a killed backend stub) or the OpenAI frontend and reloads "
                              "of a model whose engine died, allowed in any ten minutes; past them the launcher "

@@ -7,8 +7,9 @@ read (engine type ``triton-tensorrt-llm``: the model-server protocol, gateway-ap
 ``docs/proposals/003-model-server-protocol``). With the model setting ``vllm_metrics`` true (the default), the protocol's
 vLLM names are published too (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``), so a picker configured for vLLM reads them as well,
-and vLLM's speculative decoding counters (``vllm:spec_decode_num_drafts_total``,
-``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total``).
+and, where speculative decoding is on (``num_speculative_tokens`` above 0; vLLM has them only then), vLLM's speculative
+decoding counters (``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+``vllm:spec_decode_num_accepted_tokens_total``).
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ class EngineMetrics:
     Args:
         vllm_metrics: also publish the model-server protocol's vLLM-named gauges, labelled ``model_name``
             (vLLM's label) and ``version``.
+        speculative: the engine decodes speculatively: with ``vllm_metrics``, publish vLLM's counters of it too.
     """
 
-    def __init__(self, pb_utils, model: str, version: str, vllm_metrics: bool = True) -> None:
+    def __init__(self, pb_utils, model: str, version: str, vllm_metrics: bool = True,
+                 speculative: bool = False) -> None:
         labels = {"model": model, "version": version}
         self._families = []  # a Metric is only valid while its MetricFamily object lives
 
@@ -158,7 +161,8 @@ class EngineMetrics:
                               for field, description in (
                                   ("spec_decode_num_drafts", "Number of spec decoding drafts."),
                                   ("spec_decode_num_draft_tokens", "Number of draft tokens."),
-                                  ("spec_decode_num_accepted_tokens", "Number of accepted tokens."))}
+                                  ("spec_decode_num_accepted_tokens", "Number of accepted tokens."))
+                              if speculative}
         # Where the serving path's time goes (benchmarks.serving_path reads them): engine steps, responses
         # sent, and the CPU time of the engine loop and of each adapter thread.
         self.steps = counter("llm_engine_steps_total", "Engine steps that computed something")

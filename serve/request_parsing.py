@@ -179,10 +179,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
     for name, kind in scalars.items():
         if name in values and values[name] is not None:
             values[name] = _coerce(name, values[name], kind)
-    for name in INT32_INPUTS:  # a request parameter or JSON value can hold more than the INT32 input could
-        value = values.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and not -INT32_MAX - 1 <= value <= INT32_MAX:
-            raise ValueError(f"{name} is {value}, beyond the INT32 range of the {name} input (max {INT32_MAX})")
+    for name in INT32_INPUTS:
+        _check_int32(name, values.get(name))
     for name in STRING_LIST_FIELDS:
         if isinstance(values.get(name), str):
             values[name] = [values[name]]
@@ -262,11 +260,23 @@ def _check_overridden(overridden: dict[str, object], scalars: dict[str, type]) -
                 continue
             if name in scalars:
                 value = _coerce(name, value, scalars[name])
+            if name in INT32_INPUTS:
+                _check_int32(name, value)
             if name in SAMPLING_FIELDS:
                 SamplingParams.from_dict({name: [value] if name == "stop" and isinstance(value, str) else value})
         except ValueError as exc:
             raise ValueError(f"{exc} (where a later source, sampling_parameters or the {name} input, replaces "
                              f"it)") from None
+
+
+def _check_int32(name: str, value: object) -> None:
+    """A request parameter or JSON value can hold more than the INT32 input of the same name could: refused.
+
+    Raises:
+        ValueError: ``value`` is an int outside INT32's range.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{name} is {value}, beyond the INT32 range of the {name} input (max {INT32_MAX})")
 
 
 def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:

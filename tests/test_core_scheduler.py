@@ -561,6 +561,9 @@ def test_a_step_budget_that_holds_prefill_to_its_floor_is_logged_once(caplog):
         sim.add_prompt(f"q{k}", tokens(60 + k, 1), max_tokens=1)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("max_step_ms 20 leaves prefill 4 ")]
     assert len(said) == 1, caplog.text
-    decodes, ms = map(int, re.search(r"a step with (\d+) running decodes takes about (\d+) ms", said[0]).groups())
+    found = re.search(r"a step with (\d+) running decodes takes about (\d+) ms here and each prompt token adds about "
+                      r"([\d.]+) ms", said[0])
+    decodes, ms, per_token = int(found[1]), int(found[2]), float(found[3])
     assert decodes >= 7 and abs(ms - (2 + 2 * decodes)) <= 1  # 18 ms beside the 2 fixed: <= 4 units from 7 decodes on
+    assert abs(per_token - 1.0) < 0.05
     sim.run()

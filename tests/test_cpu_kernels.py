@@ -189,6 +189,55 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
             assert (got != onednn).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 5, 7, 17, 40, 64, 203])
+def test_small_gemm_fp32_out_is_the_bf16_sums_before_their_rounding(rows):
+    """bf16 rows with ``out_dtype`` fp32 (an LM head's logits): the same fp32 sums the bf16 result rounds, bit for
+    bit, on every path (AMX tiles in one and several 16-row chunks, AVX512-BF16 blocks, AVX2's streamed rows and
+    panels), and closer to the exact products than the bf16 result."""
+    if not kernels.cpu.small_gemm_available(torch.bfloat16):
+        pytest.skip("no bf16 small_gemm on this CPU (AMX, AVX512-BF16 or AVX2)")
+    if rows > kernels.cpu.small_gemm_max_rows(torch.bfloat16):
+        pytest.skip(f"small_gemm takes at most {kernels.cpu.small_gemm_max_rows(torch.bfloat16)} rows here (AMX)")
+    torch.manual_seed(rows)
+    for n, k, with_bias in ((80, 64, True), (960, 576, False), (576, 1536, True)):
+        weight = (torch.randn(n, k) * 0.05).bfloat16()
+        x = torch.randn(rows, k).bfloat16()
+        bias = (torch.randn(n) * 0.1).bfloat16() if with_bias else None
+        packed = kernels.cpu.small_gemm_pack(weight)
+        rounded = kernels.cpu.small_gemm(x, packed, bias)
+        sums = kernels.cpu.small_gemm(x, packed, bias, out_dtype=torch.float32)
+        assert sums.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+        assert torch.equal(sums.bfloat16(), rounded)
+        want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+        assert (sums.double() - want).abs().mean() < (rounded.double() - want).abs().mean() / 10
+
+
+def test_an_fp32_out_linear_takes_every_row_count_through_small_gemm_unrounded():
+    """``fp32_out`` (the LM head): no oneDNN copy; rows past the kernel's limit go in slices, each row the fp32 sums
+    that round to the bf16 result."""
+    from backend.models.layers import Linear
+
+    if not kernels.cpu.small_gemm_available(torch.bfloat16):
+        pytest.skip("no bf16 small_gemm on this CPU")
+    torch.manual_seed(12)
+    weight, bias = (torch.randn(96, 64) * 0.1).bfloat16(), (torch.randn(96) * 0.1).bfloat16()
+    head = Linear(weight, bias, small_batch=True, fp32_out=True)
+    plain = Linear(weight, bias, small_batch=True)
+    assert head.weight is None and head.out_dtype == torch.float32 and plain.out_dtype is None
+    limit = kernels.cpu.small_gemm_max_rows(torch.bfloat16)
+    for rows in (0, 1, limit, limit + 1, 2 * limit + 3):
+        x = torch.randn(rows, 64).bfloat16()
+        logits = head(x)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, 96)
+        want = torch.cat([kernels.cpu.small_gemm(x[i:i + 1], head.small_batch, bias, out_dtype=torch.float32)
+                          for i in range(rows)]) if rows else logits
+        assert torch.equal(logits, want)  # each row's sums do not depend on its batch
+        if rows <= limit:
+            assert torch.equal(logits.bfloat16(), plain(x))
+    assert Linear(weight.float(), small_batch=True, fp32_out=True).out_dtype is None  # fp32 already
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_on_avx2_keeps_one_copy_and_takes_every_gemm(monkeypatch, dtype):
     from backend import cpu_ops
@@ -204,7 +253,8 @@ def test_linear_on_avx2_keeps_one_copy_and_takes_every_gemm(monkeypatch, dtype):
     assert linear.weight is None and linear.small_batch.shape == packed_shape  # the tile layout only
     calls = []
     original = kernels.cpu.small_gemm
-    monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args),
+    monkeypatch.setattr(cpu_ops, "small_gemm",
+                        lambda *args, **kw: calls.append(args[0].shape[0]) or original(*args, **kw),
                         raising=False)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     for rows in (0, 1, 5, 300, 2100):
@@ -233,7 +283,8 @@ def test_linear_takes_the_small_gemm_up_to_its_row_limit_and_onednn_above(monkey
     limit = kernels.cpu.small_gemm_max_rows(torch.bfloat16)
     assert limit in (64, 256) and kernels.cpu.small_gemm_max_rows(torch.float32) == 256  # 64 on AMX tiles
     # The layers reach the kernel through cpu_ops, which binds it on first use: patch that binding.
-    monkeypatch.setattr(cpu_ops, "small_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args),
+    monkeypatch.setattr(cpu_ops, "small_gemm",
+                        lambda *args, **kw: calls.append(args[0].shape[0]) or original(*args, **kw),
                         raising=False)
     for rows in (0, 1, limit, limit + 1, 300):  # no rows (a step that samples nothing) goes to oneDNN
         x = torch.randn(rows, 64).bfloat16()

@@ -107,6 +107,32 @@ def test_real_model_greedy_matches_solo_generate(make_engine, default_model_dir,
     assert "Paris" in text
 
 
+@pytest.mark.real_model
+def test_real_model_in_bf16_keeps_its_logits_in_fp32(make_engine, default_model_dir, tokenizer):
+    """The bf16 LM head's logits stay fp32 on the C++ kernels: rounded to bf16 (1/16 apart near 10) the README's
+    question tied "The" with "L" (-1.9102 both), greedy took the lower id and answered "L'Étoile, la Marseillaise,
+    ...". The first token's logprobs come within 0.05 of fp32's, and the answer is the fp32 one."""
+    import torch
+
+    import kernels.cpu
+
+    if not kernels.cpu.small_gemm_available(torch.bfloat16):
+        pytest.skip("no bf16 small_gemm here: the LM head runs through oneDNN in bf16")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    answers = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = make_engine(str(default_model_dir), dtype=dtype, attention_backend="cpu", num_blocks=16)
+        outs = run_to_completion(engine, {"q": engine.add_request(prompt, params, request_id="q")})["q"]
+        answers[dtype] = ("".join(out.text for out in outs), outs[0].logprobs[0].top)
+    (text32, top32), (text16, top16) = answers["float32"], answers["bfloat16"]
+    assert text16 == text32 and text16.startswith("The capital of France is Paris")
+    assert top16.keys() == top32.keys() and all(abs(top16[t] - top32[t]) < 0.05 for t in top32)
+    assert len(set(top16.values())) == 2
+
+
 def test_single_token_stream_has_one_final_delta(make_engine, tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     sink = engine.add_request([5, 6, 7], SamplingParams(max_tokens=1, **GREEDY), request_id="one")

@@ -113,6 +113,22 @@ def test_seeded_sampling_is_reproducible_alone_and_with_batch_mates(engine):
     assert runs[0] != runs[1]
 
 
+def test_a_top_p_that_is_0_in_fp32_samples_the_top_token_beside_its_batch_mates(engine):
+    """top_p 1e-300 is in (0, 1] but 0 in the sampler's fp32: it once dropped every token, and the out-of-vocabulary
+    pick failed the next forward pass for every request in it. Now it keeps only the most likely token (greedy's
+    tokens), and its batch mates finish."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = tokens(run_to_completion(engine, {"g": engine.add_request([4, 5, 6], greedy, request_id="g")})["g"])
+    tiny = SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-300, ignore_eos=True)
+    sinks = {f"mate{i}": engine.add_request([9, i + 1], SamplingParams(max_tokens=12, temperature=1.0,
+                                                                       ignore_eos=True), request_id=f"mate{i}")
+             for i in range(3)}
+    sinks["tiny"] = engine.add_request([4, 5, 6], tiny, request_id="tiny")
+    results = run_to_completion(engine, sinks)
+    assert tokens(results["tiny"]) == want
+    assert all(outs[-1].finish_reason == "length" and len(tokens(outs)) == 12 for outs in results.values())
+
+
 def test_abort_frees_blocks_and_ends_with_one_final(make_engine, tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     sink = engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=100, ignore_eos=True),

@@ -87,6 +87,23 @@ def test_body_over_the_limit_is_413_from_content_length(frontend):
     assert error["code"] == "request_too_large" and f"{50 << 20} bytes; at most {LIMIT}" in error["message"]
 
 
+def test_a_compressed_body_is_415_not_read_as_json(frontend):
+    """Nothing here decodes a Content-Encoding: a gzip body once came back as "not valid UTF-8", a deflate header on
+    a plain body was ignored."""
+    import gzip
+
+    body = json.dumps({"model": "llm", "prompt": "hi", "max_tokens": 1}).encode()
+    for encoding, data in (("gzip", gzip.compress(body)), ("deflate", body), ("br", body)):
+        response = requests.post(f"{frontend}/v1/completions", data=data, timeout=30, headers={
+            **AUTH, "Content-Type": "application/json", "Content-Encoding": encoding})
+        assert response.status_code == 415, (encoding, response.text)
+        assert response.json()["error"]["message"] == (f"Content-Encoding '{encoding}' is not supported: send the "
+                                                       "body uncompressed")
+    identity = requests.post(f"{frontend}/v1/completions", data=body, timeout=30, headers={
+        **AUTH, "Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert identity.status_code == 503  # past the gate, on to Triton (down here)
+
+
 def test_chunked_body_over_the_limit_is_413_once_it_passes_the_limit(frontend):
     def chunks():
         for _ in range(64):  # 64 MiB offered in 1 MiB chunks, without Content-Length

@@ -69,6 +69,22 @@ def test_int8_gemm_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(batched[i:i + 1], kernels.cpu.int8_gemm(x[i:i + 1], packed, bias)), f"row {i}"
 
 
+@_NO_BF16
+def test_int8_gemm_fp32_out_is_the_bf16_sums_before_their_rounding():
+    """bf16 rows with ``out_dtype`` fp32 (an int8 LM head's logits): the sums the bf16 result rounds, bit for bit,
+    in one pass, several, and from the staged path's row count on (STAGED_MIN_ROWS)."""
+    torch.manual_seed(3)
+    weight = torch.randn(80, 1100) * 0.05
+    packed = kernels.cpu.int8_gemm_pack(weight)
+    bias = torch.randn(80).bfloat16()
+    for m in (1, 12, 13, 140, 300):
+        x = torch.randn(m, 1100).bfloat16()
+        sums = kernels.cpu.int8_gemm(x, packed, bias, out_dtype=torch.float32)
+        assert sums.dtype == torch.float32
+        assert torch.equal(sums.bfloat16(), kernels.cpu.int8_gemm(x, packed, bias)), f"{m} rows"
+        assert not torch.equal(sums, sums.bfloat16().float())
+
+
 def test_int8_gemm_takes_prompt_rows_in_chunks():
     torch.manual_seed(0)
     weight = torch.randn(32, 64)

@@ -71,7 +71,10 @@ def test_only_changed_values_are_written():
 
 
 def test_speculative_decoding_counters_use_vllm_names_and_count_what_changed():
-    metrics = EngineMetrics(FakePbUtils, "llm", "1")
+    RecordingFamily.writes.clear()
+    EngineMetrics(FakePbUtils, "llm", "1").update(stats(spec_decode_num_drafts=3))  # off: no such counters
+    assert not [w for w in RecordingFamily.writes if w[0].startswith("vllm:spec_decode")]
+    metrics = EngineMetrics(FakePbUtils, "llm", "1", speculative=True)
     metrics.update(stats())
     RecordingFamily.writes.clear()
     metrics.update(stats(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=7))

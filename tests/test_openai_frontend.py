@@ -465,6 +465,11 @@ def test_tokenize_detokenize_and_render_give_the_tokens_the_model_sees(frontend,
         assert rendered == tokenized and answer.usage.prompt_tokens == len(rendered), extra
     plain = requests.post(f"{frontend}/tokenize", json={"model": FP32, "messages": MESSAGES}, timeout=60).json()
     assert len(tokenized) > plain["count"] + 20  # the tools are in the prompt
+    vocab = len(tokenizer)  # SmolLM2's config and tokenizer agree: 49152
+    for ids, status in (([1, vocab - 1], 200), ([1, vocab], 400)):  # token ids as the engine would check them
+        rendered = requests.post(f"{frontend}/v1/completions/render", json={"model": FP32, "prompt": ids}, timeout=60)
+        assert rendered.status_code == status, rendered.text
+    assert rendered.json()["error"]["message"] == f"prompt token ids must be integers in [0, {vocab}), got {vocab}"
 
 
 @pytest.mark.server
@@ -510,6 +515,13 @@ def test_vllm_surface_model_by_id_request_ids_usage_bias_and_templates(frontend,
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks if c.choices]  # tokens queued together share a chunk
     assert counts == sorted(set(counts)) and counts[-1] == 4 and counts[0] >= 1, counts
+    chat_chunks = list(client.chat.completions.create(
+        model=FP32, messages=MESSAGES, max_tokens=4, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    role = chat_chunks[0]  # the role chunk too: the prompt's tokens, none generated (as vLLM)
+    assert role.choices[0].delta.role == "assistant" and role.usage.completion_tokens == 0
+    assert role.usage.prompt_tokens == chat_chunks[-1].usage.prompt_tokens > 0
+    assert all(c.usage is not None for c in chat_chunks) and chat_chunks[-1].usage.completion_tokens == 4
     forced = client.completions.create(model=FP32, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"42": 100})
     assert forced.choices[0].text == tokenizer.decode([42, 42, 42])
     with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):  # Jinja code from a caller

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -232,6 +233,7 @@ def test_top_k_and_runtime_top_k_agree_on_off_whether_0_or_minus_1():
     ({"max_tokens": -5}, r"max_tokens must be in \[1, inf\), got -5"),
     ({"temperature": "hot"}, "temperature must be a number, got string 'hot'"),
     ({"stop": 5}, "stop must be a non-empty string"),
+    ({"max_tokens": 2**40}, f"max_tokens is {2**40}, beyond the INT32 range"),
     ({"max_tokens": 9, "temperature": 1.5, "stop": ["y"]}, None),  # valid, and replaced by the named inputs
 ])
 def test_a_value_a_named_input_replaces_is_still_validated(json_value, message):
@@ -270,6 +272,9 @@ def test_request_parameters_carry_every_sampling_setting_and_bad_ones_are_refuse
     ({"temperature": 10**400}, "^temperature must be a finite number"),
     ({"runtime_top_p": 10**400}, "^top_p must be a finite number.*sent as runtime_top_p"),
     ({"logit_bias": {"5": 10**400}}, "^logit_bias must be a finite number"),
+    *(({"logit_bias": {key: 1}}, f"^logit_bias keys must be token ids .*got '{re.escape(key)}'$")
+      for key in (" 5", "+5", "5_0", "\u0665", "-1", "")),  # int() takes the first four ("\u0665": Arabic-Indic 5)
+    ({"logit_bias": {"5": 1, "05": 2}}, "^logit_bias names token 5 twice$"),
     ({"len_penalty": -10**400}, "^len_penalty must be a finite number"),
     ({"early_stopping": 5}, "^early_stopping must be true or false, got 5$"),
     ({"return_log_probs": [1]}, "^return_log_probs must be true or false"),

@@ -30,6 +30,18 @@ def test_tiny_positive_temperature_is_greedy(temperature):
     assert Sampler()(logits.clone(), requests).token_ids == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 5e-46, 1e-45, 1e-9])
+def test_a_top_p_under_fp32s_smallest_keeps_the_most_likely_token(top_p):
+    """top_p of 1e-300 is valid (in (0, 1]) and 0 in the sampler's fp32: the most likely token still stays (it
+    dropped every token once, and the draw then picked id VOCAB, which the next forward pass could not embed,
+    failing every request in that step); its batch mate samples as usual."""
+    logits = logits_for(2, seed=5)
+    requests = [request([1, 2], temperature=1.0, top_p=top_p, seed=1), request([1, 2], temperature=1.0, seed=2)]
+    picks = [Sampler()(logits.clone(), requests).token_ids for _ in range(20)]
+    assert {p[0] for p in picks} == {int(logits[0].argmax())}
+    assert all(0 <= p[1] < VOCAB for p in picks) and len({p[1] for p in picks}) > 1
+
+
 @pytest.mark.parametrize("penalty", [1e-45, 1e-30, 3e38])
 @pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
 def test_extreme_penalties_keep_logits_finite(penalty, temperature):

@@ -4,6 +4,7 @@ sampling edges, finish reasons, input limits, cancellation of queued requests.""
 from __future__ import annotations
 
 import json
+import re
 import queue
 import threading
 import time
@@ -238,6 +239,19 @@ def test_limits_give_a_clear_400_and_the_server_keeps_serving(triton_server, bod
     assert message in error and len(error) < 1000  # nothing of the oversized input echoed
     assert "Traceback" not in triton_server.log()[-20000:]
     assert generate(triton_server, {"text_input": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_the_engines_choices_at_load_are_in_the_server_log(triton_server):
+    """The attention backend the selector chose (the configuration docs say it is logged) reaches Triton's log,
+    not only warnings."""
+    assert re.search(r"INFO backend\.attention\.selector: attention backend: \w+ \(auto; cpu, torch\.float32",
+                     triton_server.log())
+
+
+def test_a_replaced_value_beyond_int32_is_refused_too(triton_server):
+    """A request parameter that the named input replaces is checked like one alone: never dropped unread."""
+    with pytest.raises(RuntimeError, match="max_tokens is 3000000000, beyond the INT32 range.*replaces it"):
+        stream(triton_server, {"text_input": "hi", "max_tokens": 4}, parameters={"max_tokens": 3_000_000_000})
 
 
 def test_max_tokens_beyond_int32_as_a_request_parameter_quotes_the_value_sent(triton_server):

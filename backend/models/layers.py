@@ -55,6 +55,11 @@ class Linear(torch.nn.Module):
             as in LLM.int8() (Dettmers et al. 2022, sec. 3.1), without its fp16 outlier columns. ``w8a8``: the same
             weights, and each GEMM rounds its activations to int8 per row and group of 64 k (``int8_activations``
             of ``cpu_ops.int8_gemm``, AVX512-VNNI).
+        fp32_out: for a bf16 weight that ``small_gemm`` or ``int8_gemm`` takes, return their fp32 sums unrounded, for
+            every number of rows (prompts in slices of ``small_batch_rows``): an LM head's logits. Rounded to bf16,
+            logits of about 10 lie 1/16 apart, so near ties become exact ties that greedy decoding breaks to the
+            lower token id, and logprobs move in steps of 1/16. Elsewhere (oneDNN, other devices) the output keeps
+            the weight's dtype.
 
     Raises:
         ValueError: ``int8`` / ``w8a8`` where ``cpu_ops.int8_gemm`` cannot run (:func:`int8_unsupported_reason`: not
@@ -63,7 +68,7 @@ class Linear(torch.nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: bool = False,
-                 quantization: str = "none", small_batch_only: bool = False) -> None:
+                 quantization: str = "none", small_batch_only: bool = False, fp32_out: bool = False) -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
@@ -71,6 +76,7 @@ class Linear(torch.nn.Module):
         self.small_batch = None  # the weight in the tile layout, when small_batch applies
         self.small_batch_rows = 0  # the most rows that go to it
         self.quantization = quantization
+        self.out_dtype = None  # fp32 where the kernels return a bf16 GEMM's sums unrounded (fp32_out)
         if quantization in ("int8", "w8a8"):
             reason = int8_unsupported_reason(weight, quantization)
             if reason is not None:
@@ -78,6 +84,7 @@ class Linear(torch.nn.Module):
             self.small_batch = cpu_ops.int8_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.int8_gemm_max_rows()
             self.packed = False
+            self.out_dtype = torch.float32 if fp32_out and weight.dtype == torch.bfloat16 else None
             self.register_buffer("weight", None, persistent=False)
             self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
             return
@@ -89,6 +96,10 @@ class Linear(torch.nn.Module):
             if self.small_batch_rows == cpu_ops.EVERY_GEMM or small_batch_only:  # oneDNN never runs it: one copy
                 self.packed = False
                 weight = None
+            if fp32_out and weight is not None and weight.dtype == torch.bfloat16:  # every GEMM through small_gemm
+                self.out_dtype = torch.float32
+                self.packed = False
+                weight = None
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.register_buffer("weight", weight, persistent=False)
@@ -97,13 +108,12 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
         if self.quantization != "none":
-            return cpu_ops.int8_gemm(x, self.small_batch, self.bias, int8_activations=self.quantization == "w8a8")
+            return cpu_ops.int8_gemm(x, self.small_batch, self.bias, int8_activations=self.quantization == "w8a8",
+                                     out_dtype=self.out_dtype)
         if 0 < x.shape[0] <= self.small_batch_rows:
-            return cpu_ops.small_gemm(x, self.small_batch, self.bias)
+            return cpu_ops.small_gemm(x, self.small_batch, self.bias, out_dtype=self.out_dtype)
         if self.weight is None:  # only small_gemm's copy: no rows (a step that samples nothing), or a prompt's
-            if x.shape[0] == 0:
-                return x.new_empty((0, self.out_features))
-            out = x.new_empty((x.shape[0], self.out_features))
+            out = x.new_empty((x.shape[0], self.out_features), dtype=self.out_dtype or x.dtype)
             for begin in range(0, x.shape[0], self.small_batch_rows):  # each slice of rows written in place
                 end = begin + self.small_batch_rows
                 cpu_ops.small_gemm(x[begin:end], self.small_batch, self.bias, out=out[begin:end])

@@ -141,7 +141,8 @@ class LlamaDecoder(torch.nn.Module):
         self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
         lm_bias = getattr(hf_model.lm_head, "bias", None)
         head_quantization = quantization if QUANTIZE_LM_HEAD else "none"
-        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization, small_batch_only)
+        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization, small_batch_only,
+                              fp32_out=True)  # bf16 logits would tie near-equal tokens (Linear's fp32_out)
         # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
         self.greedy_head = None
         # Not past the limit: its bf16 copy (and an untied head's fp32 weight) would add to a model kept in one copy.
@@ -176,7 +177,8 @@ class LlamaDecoder(torch.nn.Module):
             logits_rows: ``[num_logits]`` int64, the packed rows whose logits are wanted.
 
         Returns:
-            ``[num_logits, vocab_size]`` logits in the model's dtype.
+            ``[num_logits, vocab_size]`` logits: fp32 where the C++ kernels run the LM head (``Linear``'s
+            ``fp32_out``), else in the model's dtype.
         """
         return self.lm_head(self.final_hidden(input_ids, positions, meta, logits_rows))
 

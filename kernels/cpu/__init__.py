@@ -216,25 +216,26 @@ def small_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for at most :func:`small_gemm_max_rows` rows: bf16 on AMX tiles (or with AVX512-BF16
     dot products where there is no AMX), fp32 with AVX-512 multiply-adds, both with AVX2 multiply-adds on a CPU
     without AVX-512 (bf16 widened to fp32), the weights streamed in order from :func:`small_gemm_pack`'s layout.
 
     Args:
         x: ``[M, K]`` bf16 or fp32, 1 <= M <= ``small_gemm_max_rows(x.dtype)``; packed: from
-            :func:`small_gemm_pack`; bias: ``[N]`` or None; out: a contiguous ``[M, N]`` of ``x``'s dtype to write
-            into (e.g. a slice of rows of a larger result), or None.
+            :func:`small_gemm_pack`; bias: ``[N]`` or None; out: a contiguous ``[M, N]`` to write into (e.g. a
+            slice of rows of a larger result), or None; out_dtype: the result's dtype when ``out`` is None: ``x``'s
+            (the default), or fp32 for bf16 ``x`` (an LM head's logits: the sums unrounded).
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once, as oneDNN's bf16 GEMM): ``out`` when
-        given.
+        ``[M, N]`` accumulated in fp32, in ``x``'s dtype (bf16: rounded once, as oneDNN's bf16 GEMM) or fp32 (the
+        same sums before that rounding): ``out`` when given.
 
     Raises:
         RuntimeError: the kernel is unavailable for the dtype, or shapes / dtypes do not match.
     """
     if out is None:
-        out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+        out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=out_dtype or x.dtype)
     _module().small_gemm(out, x.contiguous(), packed, bias)
     return out
 
@@ -291,7 +292,8 @@ def w8a8_group_size() -> int:
 
 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+              out: torch.Tensor | None = None, int8_activations: bool = False,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
     (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds, or on AVX2 without
     AVX-512 to int16 with ``vpmaddwd``, each row of ``x`` rounded to int16 with its own scale, ``max |x| / 32767``;
@@ -306,10 +308,11 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
-            None; out: ``[M, N]`` contiguous of ``x``'s dtype to write into, or None for a new tensor.
+            None; out: ``[M, N]`` contiguous of ``x``'s dtype (or fp32 for bf16 ``x``) to write into, or None for a
+            new tensor of ``out_dtype`` (default ``x``'s).
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype, accumulated in fp32 (bf16: rounded once).
+        ``[M, N]`` accumulated in fp32, in ``x``'s dtype (bf16: rounded once) or fp32 (the sums before rounding).
 
     Raises:
         RuntimeError: the kernel is unavailable for the dtype (:func:`int8_gemm_available`) or for int8 activations
@@ -320,7 +323,7 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     x = x.contiguous()
     rows = module.int8_gemm_max_rows()
     if out is None:
-        out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=x.dtype)
+        out = torch.empty(x.shape[0], packed.shape[0] * 16, dtype=out_dtype or x.dtype)
     for begin in range(0, x.shape[0], rows):
         module.int8_gemm(out[begin:begin + rows], x[begin:begin + rows], packed, bias, int8_activations)
     return out

@@ -451,8 +451,8 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
   });
 }
 
-// out [M, N] = x [M, K] * dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (out and bias the same),
-// 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
+// out [M, N] = x [M, K] * dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (bias the same; out
+// the same, or fp32 for bf16 x: the sums unrounded), 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
 // (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time
 // (12 for bf16, 8 for W8A8). int8_activations (W8A8, w8a8_gemm_available, K % w8a8_group_size() == 0): x is rounded
 // to int8 per row and group of k first (quantize_groups_s8) and multiplied with vpdpbusd.
@@ -472,8 +472,9 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   TORCH_CHECK(!int8_activations || K % W8A8_GROUP == 0, "int8_gemm: int8 activations need K % ", W8A8_GROUP,
               " == 0, got K = ", K);
   const int64_t NB = packed.size(0), N = NB * 16, stride = packed.size(1);
+  const bool fp32_out = out.scalar_type() == at::kFloat;  // for bf16 x: the fp32 sums unrounded
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N
-              && out.scalar_type() == x.scalar_type(), "int8_gemm: out [M, N] contiguous, x's dtype");
+              && (fp32_out || out.scalar_type() == x.scalar_type()), "int8_gemm: out [M, N] contiguous, x's dtype or fp32");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
               "int8_gemm: bias [N] of x's dtype");
 #if LLM_HAVE_AVX2_FMA
@@ -592,11 +593,14 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         // The pass's rows of out: the sums plus the bias in fp32, rounded to bf16 once.
         if (bf16_x) {
 #if LLM_HAVE_AVX512_BF16
-          bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
           const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
-          for (int64_t m = 0; m < rows; ++m)
-            for (int64_t j = 0; j < nbs; ++j)
-              store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+          auto store = [&](auto* ys) {
+            for (int64_t m = 0; m < rows; ++m)
+              for (int64_t j = 0; j < nbs; ++j)
+                store_row16(ys + (m0 + m) * N + (nb0 + j) * 16, sum + m * 64 + 16 * j, bs ? bs + (nb0 + j) * 16 : nullptr);
+          };
+          if (fp32_out) store(out.data_ptr<float>());
+          else store(reinterpret_cast<bf16*>(out.data_ptr()));
 #endif
         } else {
           float* ys = out.data_ptr<float>();

@@ -141,6 +141,16 @@ inline void store_row16(bf16* dst, const float* row, const bf16* bias) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
+// The same row unrounded: dst[0..16) = row[0..16) + bias in fp32 (a bf16 GEMM's fp32 output, e.g. logits).
+inline void store_row16(float* dst, const float* row, const bf16* bias) {
+  __m512 v = _mm512_load_ps(row);
+  if (bias) {
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias)));
+    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+  }
+  _mm512_storeu_ps(dst, v);
+}
+
 #endif
 
 // Lines [k * step, min((k + 1) * step, lines)) of `pf` prefetched into L2: a block function's share of the next
@@ -382,7 +392,7 @@ torch::Tensor small_gemm_pack(torch::Tensor weight) {
 // either type with 8-lane fp32 multiply-adds (x fp32: bf16 rows widened by the caller). Threads take groups of 4
 // blocks of 16 outputs as they go; each group's weights stream from memory once, and the rows go through them 6 at
 // a time (the later passes find the group in L2).
-template <typename T>
+template <typename T, typename Y = T>
 static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                               c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
@@ -392,7 +402,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
   const X* xs = reinterpret_cast<const X*>(x.data_ptr());
   const T* ws = reinterpret_cast<const T*>(packed.data_ptr());
   const T* bs = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
-  T* ys = reinterpret_cast<T*>(out.data_ptr());
+  Y* ys = reinterpret_cast<Y*>(out.data_ptr());
   const int64_t groups = (NB + 3) / 4;
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
@@ -420,7 +430,7 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
           fma_rows_avx2(xs + m0 * K, rows, K, w, K * 16, nbs, c, pf, pf_lines);
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t n = 0; n < 16 * nbs; ++n)  // bias added in fp32, rounded once (as store_row16)
-              ys[(m0 + m) * N + nb0 * 16 + n] = from_float<bf16>(c[m * 64 + n] + (bs ? to_float(bs[nb0 * 16 + n]) : 0.f));
+              ys[(m0 + m) * N + nb0 * 16 + n] = from_float<Y>(c[m * 64 + n] + (bs ? to_float(bs[nb0 * 16 + n]) : 0.f));
 #endif
         } else {
 #if LLM_HAVE_AVX2_FMA
@@ -454,8 +464,9 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 // the passes of the current chunk, a share per pass: the item's next chunk; over its last chunk, where the item has
 // two or more passes, the first chunk of the item the thread most likely takes next (the threads take items in
 // turn). So a first pass does not wait on memory (as NextGroup does for the paths above).
-// W: the weights', bias's and output's type (fp32, or bf16 in the pair layout, rounded once at the store); x fp32.
-template <typename W>
+// W: the weights' and bias's type (fp32, or bf16 in the pair layout); Y: the output's (W, or fp32 for bf16 W: the sums
+// unrounded; bf16 rounded once at the store); x fp32.
+template <typename W, typename Y = W>
 static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                                  c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
@@ -463,7 +474,7 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
   const float* xs = x.data_ptr<float>();
   const W* ws = reinterpret_cast<const W*>(packed.data_ptr());
   const W* bs = bias ? reinterpret_cast<const W*>(bias->data_ptr()) : nullptr;
-  W* ys = reinterpret_cast<W*>(out.data_ptr());
+  Y* ys = reinterpret_cast<Y*>(out.data_ptr());
   const int64_t kc_max = std::min(AVX2_K_CHUNK, K);
   const int64_t panel_max = std::clamp<int64_t>(AVX2_PANEL_BYTES / (kc_max * 4) / 6 * 6, 6, AVX2_PANEL_MAX_ROWS);
   const int64_t panels = (M + panel_max - 1) / panel_max;
@@ -522,14 +533,15 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
       }
       for (int64_t m = r0; m < r1; ++m)
         for (int64_t n = 0; n < 16; ++n)
-          ys[m * N + nb * 16 + n] = from_float<W>(c[(m - r0) * 16 + n] + (bs ? to_float(bs[nb * 16 + n]) : 0.f));
+          ys[m * N + nb * 16 + n] = from_float<Y>(c[(m - r0) * 16 + n] + (bs ? to_float(bs[nb * 16 + n]) : 0.f));
     }
   }
 }
 #endif
 
 // out [M, N] = x [M, K] @ weight^T (+ bias [N], added in fp32), bf16 or fp32, M <= small_gemm_max_rows; packed
-// from small_gemm_pack.
+// from small_gemm_pack. out is x's dtype, or fp32 for bf16 x: the fp32 sums unrounded (the bf16 result is exactly
+// their rounding).
 void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
   if (x.scalar_type() == at::kFloat) {
@@ -552,23 +564,30 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && M >= 1
               && M <= small_gemm_max_rows(true) && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
               "small_gemm: x bf16 [M <= ", small_gemm_max_rows(true), ", K] contiguous, packed [N / 16, K / 2, 16, 2]");
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kBFloat16,
-              "small_gemm: out bf16 [M, N] contiguous");
+  const bool fp32_out = out.scalar_type() == at::kFloat;
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == M && out.size(1) == N
+              && (fp32_out || out.scalar_type() == at::kBFloat16), "small_gemm: out bf16 or fp32 [M, N] contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16),
               "small_gemm: bias bf16 [N]");
 #if LLM_HAVE_AVX2_FMA
   {  // the rows widened to fp32 (exact) once; the weights widen in registers
     const torch::Tensor xf = x.to(at::kFloat);
-    if (M > AVX2_STREAM_ROWS) return small_gemm_avx2_rows<bf16>(out, xf, packed, bias);
-    return small_gemm_vector<bf16>(out, xf, packed, bias);
+    if (M > AVX2_STREAM_ROWS) {
+      return fp32_out ? small_gemm_avx2_rows<bf16, float>(out, xf, packed, bias)
+                      : small_gemm_avx2_rows<bf16>(out, xf, packed, bias);
+    }
+    return fp32_out ? small_gemm_vector<bf16, float>(out, xf, packed, bias) : small_gemm_vector<bf16>(out, xf, packed, bias);
   }
 #endif
-  if (!amx_usable()) return small_gemm_vector<bf16>(out, x, packed, bias);
+  if (!amx_usable()) {
+    return fp32_out ? small_gemm_vector<bf16, float>(out, x, packed, bias) : small_gemm_vector<bf16>(out, x, packed, bias);
+  }
 #if LLM_HAVE_AMX
   const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr());
   const bf16* ws = reinterpret_cast<const bf16*>(packed.data_ptr());
   const bf16* bs = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
-  bf16* ys = reinterpret_cast<bf16*>(out.data_ptr());
+  bf16* ys = fp32_out ? nullptr : reinterpret_cast<bf16*>(out.data_ptr());
+  float* ys32 = fp32_out ? out.data_ptr<float>() : nullptr;
   const int64_t full = M / 16, tail = M % 16, chunks = (M + 15) / 16;
   // Over 16 rows: groups of up to MULTI_BLOCKS blocks, each read by passes of two 16-row chunks of x
   // (`tile_multi`; the second and later passes find the group's weights in L2), every chunk a full 16-row tile:
@@ -604,7 +623,9 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
           for (int64_t m = 0; m < M; ++m) {
             const int64_t i = m / 16;  // the row's chunk: in pass i / 2, C tile (i % 2) * count + j of it
             const float* row = c + ((i / 2) * 6 + (i % 2) * count + j) * 256 + (m % 16) * 16;
-            store_row16(ys + m * N + (nb + j) * 16, row, bs ? bs + (nb + j) * 16 : nullptr);
+            const bf16* b = bs ? bs + (nb + j) * 16 : nullptr;
+            if (ys32) store_row16(ys32 + m * N + (nb + j) * 16, row, b);
+            else store_row16(ys + m * N + (nb + j) * 16, row, b);
           }
         }
       }

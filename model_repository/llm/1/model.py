@@ -76,8 +76,22 @@ class _InFlight:
     wanted: frozenset[str] = frozenset()  # the outputs the client asked for (all of them when it named none)
 
 
+def _log_to_stderr() -> None:
+    """INFO and above of the engine (``backend``: the attention backend chosen, the kernels built, threads pinned),
+    the kernels and this model in Triton's log, the stub's stderr (Python alone prints warnings only there)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("backend", "kernels", "llm"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        _log_to_stderr()
         model_config = json.loads(args["model_config"])
         settings = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         overrides = Path(args["model_repository"]) / args["model_version"] / "engine.json"
@@ -86,7 +100,8 @@ class TritonPythonModel:
         metric_options = pop_metric_settings(settings)
         drain_grace_s = pop_grace(settings)
         self.engine = LLMEngine(EngineConfig.from_dict(settings))
-        self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], **metric_options)
+        self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], **metric_options,
+                                     speculative=self.engine.config.num_speculative_tokens > 0)
         self.health = HealthMonitor(self.engine, pb_utils, args["model_name"])
         self.drain = DrainMonitor(self.engine, pb_utils, args["model_name"], args["model_version"], drain_grace_s)
         self.outputs: queue.Queue[RequestOutput | None] = queue.Queue()
