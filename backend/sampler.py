@@ -50,7 +50,7 @@ class Sampler:
 
     Greedy-only batches (every request :func:`plain_greedy`) take fast paths inside the sampler, with the same
     picks: from hidden states, the greedy head (:mod:`backend.models.greedy_head`: an fp32 head at about bf16
-    cost) where it covers the rows; from logits, ``kernels/cpu``'s argmax in the model's dtype (no fp32 copy).
+    cost) where it covers the rows; from logits, ``kernels/cpu``'s argmax in their dtype (no fp32 copy of bf16 ones).
 
     Args:
         lm_head: ``[rows, hidden_size] -> [rows, vocab]`` logits, for :meth:`from_hidden`; None when the model
@@ -87,7 +87,7 @@ class Sampler:
             ``min_tokens`` holds EOS off).
         """
         if self.native_argmax and logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
-            # the argmax of the model's-dtype logits equals that of their fp32 copy
+            # the argmax of the logits (fp32, or the model's dtype) equals that of their fp32 copy
             return SamplerOutput(cpu_ops.argmax(logits).tolist(), [None] * len(requests))
         logits = logits.float()
         want_logprobs = [r.params.logprobs is not None for r in requests]

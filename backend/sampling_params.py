@@ -201,7 +201,7 @@ def _logit_bias(value: object) -> dict[int, float]:
     for key, bias in value.items():
         if isinstance(key, int) and not isinstance(key, bool):
             token_id = key
-        elif isinstance(key, str) and key.isascii() and key.isdigit():
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:  # under 2**63
             token_id = int(key)
         else:
             token_id = None

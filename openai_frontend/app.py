@@ -222,10 +222,10 @@ def create_app(config: FrontendConfig) -> FastAPI:
         check_completion_count(len(prompts), 1, config.limits)
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
-        vocab = await asyncio.to_thread(vocab_size, config.model_repository, name, version)
-        for prompt in prompts:  # ids as the engine checks them: a render never answers what a request would refuse
-            if isinstance(prompt, list) and any(t >= vocab for t in prompt):
-                bad = next(t for t in prompt if t >= vocab)
+        if any(isinstance(prompt, list) for prompt in prompts):  # ids as the engine checks them
+            vocab = await asyncio.to_thread(vocab_size, config.model_repository, name, version)
+            bad = next((t for prompt in prompts if isinstance(prompt, list) for t in prompt if t >= vocab), None)
+            if bad is not None:
                 raise OpenAIError(400, f"prompt token ids must be integers in [0, {vocab}), got {bad}",
                                   "invalid_value", "prompt")
         ids = await render_token_ids(tokenizer, prompts, max_model_len(config.model_repository, name, version))
@@ -564,7 +564,7 @@ async def _sse(view: _View, first, events, include_usage: bool) -> AsyncIterator
     usage = {"usage": None} if include_usage else {}
     try:
         if view.chat:  # every choice's role first, in index order (as OpenAI and vLLM; the SDK's stream needs it)
-            if view.continuous_usage:  # with the prompt's tokens (from the first delta) and none generated, as vLLM
+            if view.continuous_usage and first is not None:  # the prompt's tokens (the first delta's), none generated
                 view.count_prompt(*first)
                 usage = {"usage": view.usage()}
             for index in range(len(view.prompts) * view.n):

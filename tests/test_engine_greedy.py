@@ -111,7 +111,8 @@ def test_real_model_greedy_matches_solo_generate(make_engine, default_model_dir,
 def test_real_model_in_bf16_keeps_its_logits_in_fp32(make_engine, default_model_dir, tokenizer):
     """The bf16 LM head's logits stay fp32 on the C++ kernels: rounded to bf16 (1/16 apart near 10) the README's
     question tied "The" with "L" (-1.9102 both), greedy took the lower id and answered "L'Étoile, la Marseillaise,
-    ...". The first token's logprobs come within 0.05 of fp32's, and the answer is the fp32 one."""
+    ...". The answer is the fp32 one, the first token's logprobs are within bf16 arithmetic of fp32's (0.01-0.16
+    here, by CPU), and their gap is no multiple of bf16's 1/16 step at these logits."""
     import torch
 
     import kernels.cpu
@@ -129,8 +130,10 @@ def test_real_model_in_bf16_keeps_its_logits_in_fp32(make_engine, default_model_
         answers[dtype] = ("".join(out.text for out in outs), outs[0].logprobs[0].top)
     (text32, top32), (text16, top16) = answers["float32"], answers["bfloat16"]
     assert text16 == text32 and text16.startswith("The capital of France is Paris")
-    assert top16.keys() == top32.keys() and all(abs(top16[t] - top32[t]) < 0.05 for t in top32)
-    assert len(set(top16.values())) == 2
+    assert top16.keys() == top32.keys() and all(abs(top16[t] - top32[t]) < 0.25 for t in top32)
+    first, second = sorted(top16.values(), reverse=True)
+    steps = (first - second) * 16
+    assert abs(steps - round(steps)) > 1e-3, (first, second)
 
 
 def test_single_token_stream_has_one_final_delta(make_engine, tiny_model_dir):

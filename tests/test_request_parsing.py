@@ -273,7 +273,7 @@ def test_request_parameters_carry_every_sampling_setting_and_bad_ones_are_refuse
     ({"runtime_top_p": 10**400}, "^top_p must be a finite number.*sent as runtime_top_p"),
     ({"logit_bias": {"5": 10**400}}, "^logit_bias must be a finite number"),
     *(({"logit_bias": {key: 1}}, f"^logit_bias keys must be token ids .*got '{re.escape(key)}'$")
-      for key in (" 5", "+5", "5_0", "\u0665", "-1", "")),  # int() takes the first four ("\u0665": Arabic-Indic 5)
+      for key in (" 5", "+5", "5_0", "\u0665", "-1", "", "9" * 40)),  # int() takes the first four ("\u0665": Arabic-Indic 5)
     ({"logit_bias": {"5": 1, "05": 2}}, "^logit_bias names token 5 twice$"),
     ({"len_penalty": -10**400}, "^len_penalty must be a finite number"),
     ({"early_stopping": 5}, "^early_stopping must be true or false, got 5$"),

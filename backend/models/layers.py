@@ -93,12 +93,10 @@ class Linear(torch.nn.Module):
         if weight.device.type == "cpu" and small_batch and _small_gemm_fits(weight):
             self.small_batch = cpu_ops.small_gemm_pack(weight)
             self.small_batch_rows = cpu_ops.small_gemm_max_rows(weight.dtype)
-            if self.small_batch_rows == cpu_ops.EVERY_GEMM or small_batch_only:  # oneDNN never runs it: one copy
-                self.packed = False
-                weight = None
-            if fp32_out and weight is not None and weight.dtype == torch.bfloat16:  # every GEMM through small_gemm
+            if fp32_out and weight.dtype == torch.bfloat16:  # every GEMM through small_gemm, in slices of rows
                 self.out_dtype = torch.float32
-                self.packed = False
+            if self.small_batch_rows == cpu_ops.EVERY_GEMM or small_batch_only or self.out_dtype is not None:
+                self.packed = False  # oneDNN never runs it: one copy
                 weight = None
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

@@ -141,8 +141,10 @@ class LlamaDecoder(torch.nn.Module):
         self.norm = RMSNorm(inner.norm.weight, inner.norm.variance_epsilon, cpu_kernels)
         lm_bias = getattr(hf_model.lm_head, "bias", None)
         head_quantization = quantization if QUANTIZE_LM_HEAD else "none"
-        self.lm_head = Linear(hf_model.lm_head.weight, lm_bias, small_batch, head_quantization, small_batch_only,
-                              fp32_out=True)  # bf16 logits would tie near-equal tokens (Linear's fp32_out)
+        # A bf16 head always takes small_gemm's layout on the C++ kernels, whatever the model's size: its fp32 sums
+        # are the logits (bf16 logits would tie near-equal tokens: Linear's fp32_out), and it keeps no other copy.
+        head_small_batch = small_batch or (cpu_kernels and head_quantization == "none" and head.dtype == torch.bfloat16)
+        self.lm_head = Linear(head, lm_bias, head_small_batch, head_quantization, small_batch_only, fp32_out=True)
         # Greedy rows of an fp32 head: bf16 with a proven bound, exact fp32 logits for the few tokens in doubt.
         self.greedy_head = None
         # Not past the limit: its bf16 copy (and an untied head's fp32 weight) would add to a model kept in one copy.

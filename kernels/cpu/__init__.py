@@ -10,7 +10,7 @@
   activations) in small_gemm's register blocking, half the weight bytes of bf16 per step; with AVX512-VNNI also
   W8A8 (the activations rounded to int8 per group of 64 k at run time, integer dot products).
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
-- ``argmax_rows``: greedy picks read in the model's dtype (no fp32 copy of the logits).
+- ``argmax_rows``: greedy picks read in the logits' dtype (no fp32 copy of bf16 or fp16 logits).
 - ``greedy_head``: greedy picks from an fp32 LM head through a bf16 pass with a proven error bound, the exact fp32
   logits only for the tokens the bound leaves in doubt (the same picks as the fp32 logits, in about half the time).
 - ``bind_threads``: pins the OpenMP threads of the calling thread's team to given CPUs.
@@ -297,7 +297,8 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     """``x @ dequant(weight)^T (+ bias)`` with the int8 weights of :func:`int8_gemm_pack`, widened in registers
     (bf16 ``x``: to bf16, with AVX512-BF16 dot products; fp32 ``x``: to fp32, with multiply-adds, or on AVX2 without
     AVX-512 to int16 with ``vpmaddwd``, each row of ``x`` rounded to int16 with its own scale, ``max |x| / 32767``;
-    bf16 ``x`` on AVX2 goes the fp32 way, widened first, and the result is rounded to bf16 once);
+    bf16 ``x`` on AVX2 goes the fp32 way, widened first, and the result is rounded to bf16 once unless ``out`` is
+    fp32);
     the sums are scaled per output once, at the end. Rows past :func:`int8_gemm_max_rows` go in chunks.
 
     With ``int8_activations`` (W8A8, :func:`w8a8_gemm_available`) ``x`` is rounded to int8 too, symmetric, with an
@@ -308,8 +309,11 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or
-            None; out: ``[M, N]`` contiguous of ``x``'s dtype (or fp32 for bf16 ``x``) to write into, or None for a
-            new tensor of ``out_dtype`` (default ``x``'s).
+            None.
+        out: ``[M, N]`` contiguous of ``x``'s dtype (or fp32 for bf16 ``x``) to write into, or None for a new tensor.
+        int8_activations: round ``x`` to int8 too (W8A8, above).
+        out_dtype: the new tensor's dtype when ``out`` is None: ``x``'s (the default), or fp32 for bf16 ``x`` (an LM
+            head's logits: the sums unrounded).
 
     Returns:
         ``[M, N]`` accumulated in fp32, in ``x``'s dtype (bf16: rounded once) or fp32 (the sums before rounding).

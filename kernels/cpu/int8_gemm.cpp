@@ -452,10 +452,11 @@ void int8_gemm_unpack(torch::Tensor out, torch::Tensor packed) {
 }
 
 // out [M, N] = x [M, K] * dequant(packed)^T (+ bias [N], added in fp32), x fp32 or bf16 (bias the same; out
-// the same, or fp32 for bf16 x: the sums unrounded), 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack. Threads take groups of 4 blocks of 16 outputs as they go
-// (as small_gemm_vector does); each group's weights stream from memory once and the rows pass over them 6 at a time
-// (12 for bf16, 8 for W8A8). int8_activations (W8A8, w8a8_gemm_available, K % w8a8_group_size() == 0): x is rounded
-// to int8 per row and group of k first (quantize_groups_s8) and multiplied with vpdpbusd.
+// the same, or fp32 for bf16 x: the sums unrounded), 1 <= M <= int8_gemm_max_rows; packed from int8_gemm_pack.
+// Threads take groups of 4 blocks of 16 outputs as they go (as small_gemm_vector does); each group's weights stream
+// from memory once and the rows pass over them 6 at a time (12 for bf16, 8 for W8A8). int8_activations (W8A8,
+// w8a8_gemm_available, K % w8a8_group_size() == 0): x is rounded to int8 per row and group of k first
+// (quantize_groups_s8) and multiplied with vpdpbusd.
 void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                bool int8_activations) {
   using namespace llm_cpu;
@@ -474,7 +475,8 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   const int64_t NB = packed.size(0), N = NB * 16, stride = packed.size(1);
   const bool fp32_out = out.scalar_type() == at::kFloat;  // for bf16 x: the fp32 sums unrounded
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N
-              && (fp32_out || out.scalar_type() == x.scalar_type()), "int8_gemm: out [M, N] contiguous, x's dtype or fp32");
+              && (fp32_out || out.scalar_type() == x.scalar_type()),
+              "int8_gemm: out [M, N] contiguous, x's dtype or fp32");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type()),
               "int8_gemm: bias [N] of x's dtype");
 #if LLM_HAVE_AVX2_FMA

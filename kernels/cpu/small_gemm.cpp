@@ -576,11 +576,13 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
       return fp32_out ? small_gemm_avx2_rows<bf16, float>(out, xf, packed, bias)
                       : small_gemm_avx2_rows<bf16>(out, xf, packed, bias);
     }
-    return fp32_out ? small_gemm_vector<bf16, float>(out, xf, packed, bias) : small_gemm_vector<bf16>(out, xf, packed, bias);
+    return fp32_out ? small_gemm_vector<bf16, float>(out, xf, packed, bias)
+                    : small_gemm_vector<bf16>(out, xf, packed, bias);
   }
 #endif
   if (!amx_usable()) {
-    return fp32_out ? small_gemm_vector<bf16, float>(out, x, packed, bias) : small_gemm_vector<bf16>(out, x, packed, bias);
+    return fp32_out ? small_gemm_vector<bf16, float>(out, x, packed, bias)
+                    : small_gemm_vector<bf16>(out, x, packed, bias);
   }
 #if LLM_HAVE_AMX
   const bf16* xs = reinterpret_cast<const bf16*>(x.data_ptr());
