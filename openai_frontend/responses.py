@@ -83,6 +83,8 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise _bad("previous_response_id is not supported: this server keeps no responses; send the whole "
                        "conversation in input", "previous_response_id", "unsupported_parameter")
+        if (self.model_extra or {}).get("stream_options") is not None and not self.stream:
+            raise _bad("stream_options are only taken with stream true", "stream_options")  # as chat refuses them
         for name, value in (self.model_extra or {}).items():
             if name not in UNSUPPORTED:
                 raise _bad(f"Unrecognized request argument supplied: {name}", name, "invalid_request")

@@ -187,6 +187,7 @@ def test_input_items_become_chat_messages_and_tools_chat_tools():
     ({"truncation": "auto"}, "truncation", "not supported"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+    ({"stream_options": {}}, "stream_options", "only taken with stream true"),
     ({"seed": 1}, "seed", "Unrecognized request argument"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "not supported"),
