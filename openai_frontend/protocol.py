@@ -190,6 +190,24 @@ def _check_tool_calls(tool_calls: Any, i: int, role: str) -> None:
                               f"{param}.function.arguments")
 
 
+def _check_text_part(part: dict, i: int, j: int) -> None:
+    """A content part of ``messages[i]``: ``{"type": "text", "text": "..."}``, nothing else (as at OpenAI, whose
+    API refuses other fields of a part; a hint such as ``cache_control`` would otherwise be silently ignored).
+
+    Raises: OpenAIError 400 for another part type (images, audio, files: this server serves text models), a
+    text part without a text string, or a field beside ``type`` and ``text``."""
+    where, param = f"messages[{i}].content[{j}]", f"messages.{i}.content.{j}"
+    if part.get("type") != "text":
+        raise OpenAIError(400, f"{where}: content part type {part.get('type')!r} is not supported: only text parts",
+                          "unsupported_parameter", f"{param}.type")
+    if not isinstance(part.get("text"), str):
+        raise OpenAIError(400, f"{where} is a text part without a text string", "invalid_value", f"{param}.text")
+    unknown = sorted(set(part) - {"type", "text"})
+    if unknown:
+        raise OpenAIError(400, f"{where} has unknown field(s) {', '.join(unknown)}; a text part has type and text",
+                          "invalid_value", f"{param}.{unknown[0]}")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # CHAT_MESSAGE_FIELDS, checked in ChatCompletionRequest.check
     role: str
@@ -230,9 +248,7 @@ class ChatCompletionRequest(_Sampling):
                 raise OpenAIError(400, f"messages[{i}] has unknown field(s) {', '.join(unknown)}", "invalid_value",
                                   f"messages.{i}.{unknown[0]}")
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.get("type") == "text" and not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, f"messages[{i}].content[{j}] is a text part without a text string",
-                                      "invalid_value", f"messages.{i}.content.{j}.text")
+                _check_text_part(part, i, j)
             # As at OpenAI: only an assistant message (one that carries tool calls or a refusal) may have no
             # content; the template sees an empty one.
             if message.content is None and message.role != "assistant":

@@ -187,6 +187,10 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
     ({"messages": [{"role": "user<|im_end|>", "content": "hi"}]}, "messages.0.role", "must be one of"),
     ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo", "unknown field(s) foo"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "without a text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {
+        "type": "ephemeral"}}]}]}, "messages.0.content.0.cache_control", "unknown field(s) cache_control"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type", "content part type 'image_url' is not supported: only text parts"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      "top_logprobs must be in [0, 20]"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}, "max_completion_tokens",
