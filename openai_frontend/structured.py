@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from openai_frontend.errors import OpenAIError
+from openai_frontend.tool_calls import FUNCTION_NAME  # OpenAI gives schema names the same rule
 
 # json_object's schema: llama.cpp's server takes one there, and instructor's JSON_SCHEMA mode sends it.
 FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
@@ -59,6 +60,14 @@ def structured_outputs(response_format: dict[str, Any] | None, extra: dict[str, 
         if not isinstance(spec.get("name"), str) or not spec["name"]:
             raise OpenAIError(400, "response_format json_schema needs json_schema.name, a non-empty string",
                               "invalid_value", "response_format")
+        if not FUNCTION_NAME.fullmatch(spec["name"]):
+            raise OpenAIError(400, f"response_format json_schema.name must be 1-64 letters, digits, underscores or "
+                              f"dashes, got {spec['name'][:80]!r}", "invalid_value", "response_format")
+        for field in ("strict", "description"):
+            if spec.get(field) is not None and not isinstance(spec[field], bool if field == "strict" else str):
+                raise OpenAIError(400, f"response_format json_schema.{field} must be a "
+                                  f"{'boolean' if field == 'strict' else 'string'}, got {spec[field]!r:.80}",
+                                  "invalid_value", "response_format")
         constraint = {"json": json.dumps(spec["schema"])}
     if extra is not None:
         if constraint is not None:

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 
 from backend.structured_output.schema_check import (ANNOTATION, ENFORCED, KEYWORDS, REFUSED, SchemaLimits,
-                                                    check_json_schema, check_regex, keyword_table_markdown)
+                                                    check_json_schema, check_regex, keyword_table_markdown,
+                                                    with_ecma_dot)
 from test_schema_enforcement import ENFORCED_CASES
 
 INT = {"type": "integer"}
@@ -70,8 +71,23 @@ REFUSED_CASES = [
     ({"type": "object", "properties": {"x1": {"type": "string"}}, "patternProperties": {"^x[0-9]$": INT},
       "additionalProperties": False}, "patternProperties", "$"),
     ({"type": "object", "additionalProperties": INT, "minProperties": 2}, "minProperties", "$"),
-    ({"type": "object", "properties": {"a": INT}, "unevaluatedProperties": INT, "maxProperties": 2},
-     "maxProperties", "$"),
+    ({"type": "object", "unevaluatedProperties": INT, "maxProperties": 2}, "maxProperties", "$"),
+    # An extra key may spell a listed name with escapes ("\u0061" for "a"): the grammar does not tell them apart.
+    ({"type": "object", "properties": {"a": INT}, "additionalProperties": True}, "additionalProperties", "$"),
+    ({"type": "object", "properties": {"a": INT}, "additionalProperties": {"type": "string"}},
+     "additionalProperties", "$"),
+    ({"type": "object", "properties": {"a": INT}, "unevaluatedProperties": True}, "unevaluatedProperties", "$"),
+    # The grammar writes a character it names alone into the string unescaped.
+    *[({"type": "string", "pattern": pattern}, "pattern", "$") for pattern in (
+        '^say "hi"$', "^line1\\nline2$", "^\\t$", "^a\\\\b$", "^[A-Z]:\\\\[a-z]+$", "^\\x22$", "^\\u005c$",
+        "^[\\n]$", "^\x01$")],
+    ({"type": "object", "patternProperties": {'^"': INT}}, "patternProperties", "$"),
+    ({"type": "object", "propertyNames": {"type": "string", "pattern": "^a\\\\"}}, "pattern", "$.propertyNames"),
+    # Integer bounds are whole 64-bit numbers in the grammar.
+    ({"type": "integer", "minimum": 0.5}, "minimum", "$"),
+    ({"type": ["integer", "null"], "exclusiveMaximum": 9.5}, "exclusiveMaximum", "$"),
+    ({"type": "integer", "maximum": 2**63}, "maximum", "$"),
+    ({"type": "integer", "minimum": -1e30}, "minimum", "$"),
     ({"type": "object", "patternProperties": {"^[a-c]$": INT}, "minProperties": 3}, "minProperties", "$"),
     ({"type": "object", "propertyNames": {"type": "string", "maxLength": 2}, "minProperties": 1},
      "minProperties", "$"),
@@ -109,12 +125,43 @@ ALLOWED = [
     {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
     {"type": ["string", "null"], "format": "email"},
     {"enum": ["a", 1, None]},
+    # A range, a negated class or a class of several members keeps '"', '\\' and control characters out.
+    {"type": "string", "pattern": '^[^"\\\\]+$'},
+    {"type": "string", "pattern": '^[a"\\n]$'},
+    {"type": "string", "pattern": "^[ -~]+\\.$"},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 1.0, "maximum": 2**63 - 1}},
+     "additionalProperties": False},
+    {"type": "object", "additionalProperties": {"type": "number", "minimum": 0.5}},
 ]
 
 
 @pytest.mark.parametrize("schema", ALLOWED)
 def test_enforced_and_annotation_keywords_pass(schema):
     assert check_json_schema(json.dumps(schema)) == schema
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "minLength": -1}, "at $.minLength: -1 is less than the minimum of 0"),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": -3}, "at $.minItems: -3 is less than"),
+    ({"type": "array", "items": {"type": "string", "maxLength": 2.5}}, "at $.items.maxLength: 2.5 is not"),
+])
+def test_a_document_that_is_not_a_schema_is_refused_naming_where(schema, message):
+    """xgrammar answers some of these with its C++ source line, and reads others its own way."""
+    with pytest.raises(ValueError, match="^not a valid JSON schema ") as refused:
+        check_json_schema(json.dumps(schema))
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("text", ["ab\n{\n b", "ab\r123b", "ab\u2028123b"])
+def test_a_raw_regex_dot_matches_no_line_terminator(text):
+    """ECMA-262's (and Python's) '.'; xgrammar's own matches them all."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    assert _is_grammar_accept_string(Grammar.from_regex("a.{5}b"), text)  # why the rewrite is needed
+    assert not _is_grammar_accept_string(Grammar.from_regex(with_ecma_dot("a.{5}b")), text)
+    assert _is_grammar_accept_string(Grammar.from_regex(with_ecma_dot("a.{5}b")), "a\u00e9 x\"\\b")
+    assert with_ecma_dot(r"[.]\.x") == r"[.]\.x"
 
 
 @pytest.mark.parametrize("keywords, schema", ENFORCED_CASES, ids=[k for k, _ in ENFORCED_CASES])

@@ -73,8 +73,7 @@ ENFORCED_CASES = [
                            "additionalProperties": False}),
     ("propertyNames", {"type": "object", "propertyNames": {"type": "string", "pattern": "^[a-c]{2}$"},
                        "additionalProperties": INT}),
-    ("unevaluatedProperties", {"type": "object", "properties": {"a": INT}, "required": ["a"],
-                               "unevaluatedProperties": {"type": "boolean"}}),
+    ("unevaluatedProperties", {"type": "object", "unevaluatedProperties": {"type": "boolean"}}),
     ("anyOf", {"anyOf": [{"type": "integer", "minimum": 900, "maximum": 999}, {"type": "string", "enum": ["none"]}]}),
     ("allOf", {"allOf": [{"$ref": "#/$defs/p"}], "$defs": {"p": {"type": "integer", "minimum": 40, "maximum": 42}}}),
     ("definitions recursive $ref", {

@@ -24,7 +24,7 @@ from backend.background import BACKGROUND_NICE, lower_this_thread_priority
 from backend.errors import EngineOverloadedError
 from backend.structured_output.compile_worker import compile_constraint, read_frame, write_frame
 from backend.structured_output.params import StructuredOutputsParams
-from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex
+from backend.structured_output.schema_check import SchemaLimits, check_json_schema, check_regex, with_ecma_dot
 
 log = logging.getLogger(__name__)
 
@@ -483,7 +483,7 @@ def _xgrammar_call(params: StructuredOutputsParams) -> tuple[str, str]:
     if kind == "json_object":
         return "json_schema", '{"type": "object"}'
     if kind == "regex":
-        return "regex", params.regex
+        return "regex", with_ecma_dot(params.regex)
     if kind == "choice":  # a grammar of string literals (JSON string escapes are EBNF's too)
         return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
     return "grammar", params.grammar

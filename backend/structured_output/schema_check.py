@@ -20,6 +20,8 @@ import json
 import re
 from dataclasses import dataclass
 
+import jsonschema
+
 ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation"
 
 # keyword -> (status, when it is enforced / why it is refused). ``docs/openai.md`` holds this table
@@ -38,7 +40,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "maxLength": (ENFORCED, "with `type` string, not together with `pattern` or `format` (then the length is not "
                             "enforced)"),
     "pattern": (ENFORCED, "with `type` string, not together with `format` (then the pattern is not enforced); a "
-                          "subset of ECMA-262 (see below); matched against the whole string"),
+                          "subset of ECMA-262 (see below); matched against the whole string; it may not name `\"`, "
+                          "a backslash or a control character (the grammar would write them unescaped)"),
     "format": (ENFORCED, "with `type` string; only the formats listed below"),
     "items": (ENFORCED, "a schema or boolean, with `type` array (the draft 7 list form is refused: use `prefixItems`)"),
     "prefixItems": (ENFORCED, "with `type` array"),
@@ -48,7 +51,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "properties": (ENFORCED, "with `type` object; optional properties may be left out, never extra ones "
                              "unless `additionalProperties` allows them"),
     "required": (ENFORCED, "with `type` object; every name listed in `properties`"),
-    "additionalProperties": (ENFORCED, "with `type` object"),
+    "additionalProperties": (ENFORCED, "with `type` object; beside `properties` only false (an extra key could spell "
+                                       "a listed name with escapes, `\\u0061` for `a`, past that property's schema)"),
     "patternProperties": (ENFORCED, "with `type` object; one pattern (as for `pattern`) that no name in "
                                     "`properties` matches, `additionalProperties` false or absent (the grammar does "
                                     "not tell apart keys that two schemas match)"),
@@ -59,7 +63,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                                 "`unevaluatedProperties` false or absent): other keys the grammar may write twice, "
                                 "which counts once"),
     "maxProperties": (ENFORCED, "as for `minProperties`"),
-    "unevaluatedProperties": (ENFORCED, "with `type` object"),
+    "unevaluatedProperties": (ENFORCED, "as for `additionalProperties`"),
     "anyOf": (ENFORCED, "siblings only annotations and `$defs`/`definitions`"),
     "oneOf": (ENFORCED, "siblings as for `anyOf`; branches that cannot overlap: different types, or objects "
                         "told apart by a required property's `const`/`enum`"),
@@ -167,7 +171,19 @@ def check_json_schema(text: str, limits: SchemaLimits = SchemaLimits()) -> objec
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
     _Walker(schema, limits).walk(schema, "$")
+    _check_against_metaschema(schema)
     return schema
+
+
+def _check_against_metaschema(schema: object) -> None:
+    """Refuses a document that is not a valid schema of its draft (``$schema``; 2020-12 when it names none):
+    ``"minLength": -1``, ``"type": "banana"``, ``"required": "a"``, ... (which xgrammar refuses with C++ text, or
+    reads its own way)."""
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    if error is not None:
+        where = "$" + "".join(f"[{p}]" if isinstance(p, int) else _member(p) for p in error.absolute_path)
+        raise ValueError(f"not a valid JSON schema at {where}: {error.message[:200]}")
 
 
 def check_regex(pattern: str) -> None:
@@ -225,6 +241,30 @@ def check_regex(pattern: str) -> None:
             raise ValueError(f"an unmatched '{c}' at position {i}: escape it")
         after_atom = c not in "|)^$" or c == ")"
         i += 1
+
+
+def with_ecma_dot(pattern: str) -> str:
+    """``pattern`` (one passed by :func:`check_regex`) with each ``.`` outside a class written as ECMA-262
+    reads it, any character but a line terminator (``[^\\n\\r\\u2028\\u2029]``): xgrammar's regex lets ``.``
+    match them too. Inside a JSON string no pattern needs this (the string's grammar keeps them out)."""
+    out, i, n, in_class = [], 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":  # check_regex refused an empty class, so the first ']' closes it
+            in_class = True
+        elif c == ".":
+            out.append("[^\\n\\r\\u2028\\u2029]")
+            i += 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def find_refused(schema: object, limits: SchemaLimits = SchemaLimits()) -> str | None:
@@ -312,6 +352,13 @@ class _Walker:
         for keyword in ("exclusiveMinimum", "exclusiveMaximum"):
             if isinstance(schema.get(keyword), bool):
                 _refuse(keyword, path, "draft 4's boolean form is not supported: give the bound as a number")
+        if "integer" in types:
+            for keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                value = schema.get(keyword)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+                        float(value).is_integer() and -2**63 <= value < 2**63):
+                    _refuse(keyword, path, f"{value!r}: with type integer a bound is a whole number within 64 bits "
+                                           f"(the grammar's integers)")
         if "multipleOf" in schema:
             value = schema["multipleOf"]
             if set(types) != {"integer"} or not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -341,6 +388,12 @@ class _Walker:
                                               or schema.get("additionalProperties", False) is not False
                                               or _a_name_matches(schema.get("properties"), schema["patternProperties"])):
             _refuse("patternProperties", path, KEYWORDS["patternProperties"][1])
+        if schema.get("properties"):
+            for keyword in ("additionalProperties", "unevaluatedProperties"):
+                if schema.get(keyword, False) is not False:
+                    _refuse(keyword, path, "only false (or left out) beside properties: an extra key may spell a "
+                                           "listed name with JSON escapes (\"\\u0061\" for \"a\"), which the grammar "
+                                           "does not tell apart, and its value would escape that property's schema")
         open_keys = ("patternProperties" in schema or "propertyNames" in schema
                      or schema.get("additionalProperties", False) is not False
                      or schema.get("unevaluatedProperties", False) is not False)
@@ -390,6 +443,12 @@ class _Walker:
             check_regex(pattern)
         except ValueError as exc:
             _refuse(keyword, path, f"{pattern!r}: {exc}")
+        literal = _json_escaped_literal(pattern)
+        if literal is not None:
+            position, char = literal
+            _refuse(keyword, path, f"{pattern!r}: the character {char!r} at position {position} must be escaped in "
+                                   f"a JSON string, and the grammar would write it unescaped (invalid JSON): a "
+                                   f"pattern cannot require '\"', a backslash or a control character")
 
     def _check_values(self, schema: dict, keyword: str, types: tuple[str, ...], path: str) -> None:
         others = sorted(set(schema) - _BESIDE_COMPOSITION - {"type", keyword})
@@ -500,6 +559,66 @@ def _refuse(keyword: str, path: str, why: str) -> None:
 
 def _member(name: str) -> str:
     return f".{name}" if re.fullmatch(r"[A-Za-z_$][A-Za-z0-9_$-]*", name) else f"[{json.dumps(name)}]"
+
+
+_SIMPLE_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f", "v": "\v"}
+
+
+def _must_escape(char: str) -> bool:
+    """A character JSON writes only escaped inside a string."""
+    return char in '"\\' or ord(char) < 0x20
+
+
+def _json_escaped_literal(pattern: str) -> tuple[int, str] | None:
+    """The first literal character of a pattern (one already passed by :func:`check_regex`) that a JSON string
+    holds only escaped (``"``, a backslash, a control character), with its position, or None.
+
+    xgrammar keeps such a character out of a string when it comes from a range, a negated class, ``.`` or a
+    class escape, but writes it as it is (not escaped: invalid JSON, or another string) when the pattern names
+    it alone: a literal, an escape (``\\"``, ``\\\\``, ``\\n``, ``\\x22``, ``\\u005c``) or the only member
+    of a class (``[\\n]``); a class of several members drops it (stricter, so still valid)."""
+
+    def escaped(i: int) -> tuple[str | None, int]:  # the character an escape at i names (None: a class)
+        c = pattern[i + 1]
+        if c in _SIMPLE_ESCAPES:
+            return _SIMPLE_ESCAPES[c], i + 2
+        if c == "x":
+            return chr(int(pattern[i + 2:i + 4], 16)), i + 4
+        if c == "u":
+            return chr(int(pattern[i + 2:i + 6], 16)), i + 6
+        if c in "dDwWsS":
+            return None, i + 2
+        return c, i + 2
+
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            char, end = escaped(i)
+            if char is not None and _must_escape(char):
+                return i, char
+            i = end
+        elif c == "[":
+            j = i + 1 + pattern.startswith("^", i + 1)
+            members: list[str | None] = []
+            while pattern[j] != "]":
+                if pattern[j] == "\\":
+                    char, j = escaped(j)
+                else:
+                    char, j = pattern[j], j + 1
+                if pattern.startswith("-", j) and not pattern.startswith("-]", j):
+                    char, j = None, j + 1  # a range: its end follows
+                    j = escaped(j)[1] if pattern[j] == "\\" else j + 1
+                members.append(char)
+            if not pattern.startswith("^", i + 1) and len(members) == 1 and members[0] is not None \
+                    and _must_escape(members[0]):
+                return i, members[0]
+            i = j + 1
+        else:
+            if _must_escape(c):
+                return i, c
+            i += 1
+    return None
 
 
 def _check_depth(text: str, max_depth: int) -> None:
