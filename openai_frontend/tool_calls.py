@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.structured_output.schema_check import metaschema_error
 from openai_frontend.errors import OpenAIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -109,6 +110,10 @@ class ToolChoice:
             if not isinstance(schema, dict) or schema.get("type", "object") != "object":
                 raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema of an object "
                                   "(arguments are always an object)", "invalid_value", "tools")
+            invalid = metaschema_error(schema)
+            if invalid is not None:  # the model would read it in its prompt (auto), the grammar refuse it later
+                raise OpenAIError(400, f"tools[{i}].function.parameters is {invalid.replace('at $', 'at ', 1)}",
+                                  "invalid_value", "tools")
             functions.append(function)
         choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
         strict = unenforced_strict(functions, choice)

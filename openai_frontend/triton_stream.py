@@ -94,8 +94,14 @@ class TritonLLM:
             await self._client.close()
 
     async def ready(self) -> bool:
+        """Whether a model this frontend serves has a READY version. Triton's own server readiness is not
+        enough: it reads true again once a model is unloaded (a drain, an unload by hand), as it counts only
+        the models loaded. Without a model repository to name them, the server's readiness."""
         try:
-            return await self.client.is_server_ready()
+            names = self.offered()
+            if not names:
+                return await self.client.is_server_ready()
+            return any(await asyncio.gather(*(self.client.is_model_ready(name) for name in names)))
         except InferenceServerException:
             return False
 

@@ -6,8 +6,8 @@ SIGKILLed stub leaves the model READY (requests then fail with ``Stub process ..
 does turn readiness false is unloading the model, which a model may ask for itself through
 ``pb_utils.unload_model`` when the server runs with ``--model-control-mode=explicit``. So once the engine is
 dead (:meth:`backend.LLMEngine.check_health` raises), :class:`HealthMonitor` unloads the model: its
-readiness (``/v2/models/<name>/ready``) and the server's (``/v2/health/ready``) go false, and new requests
-are refused by Triton itself. In the default model-control mode that call is refused; the model then stays
+readiness (``/v2/models/<name>/ready``) goes false (the server's, ``/v2/health/ready``, only while the unload
+runs: with no model loaded Triton counts the server ready), and new requests are refused by Triton itself. In the default model-control mode that call is refused; the model then stays
 READY, and its requests are refused fast with UNAVAILABLE (``engine is dead``) by the engine. The call goes
 from the stub to tritonserver in-process (the backend's message queue), not through HTTP or gRPC, so the
 launcher's restriction of the repository API to its admin key (``serve.control``) does not stop it.

@@ -121,9 +121,10 @@ def test_triton_ports_command_and_gpu(compose):
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
 
 
-def test_healthcheck_asks_tritons_readiness_on_the_http_port(compose):
+def test_healthcheck_asks_the_models_readiness_on_the_http_port(compose):
+    """The model's: Triton's server readiness reads true again once the model is unloaded (nothing loaded)."""
     test = " ".join(compose["services"]["triton"]["healthcheck"]["test"])
-    assert re.search(rf"http://localhost:{HTTP_PORT}/v2/health/ready\b", test)
+    assert re.search(rf"http://localhost:{HTTP_PORT}/v2/models/llm/ready\b", test)
 
 
 def test_mounts_point_at_repository_paths(compose):
@@ -222,7 +223,7 @@ def test_dashboard_queries_name_exported_metrics():
 def test_healthcheck_and_dashboard_metrics_against_a_real_server(triton_server):
     import requests
 
-    assert requests.get(f"{triton_server.http_url}/v2/health/ready", timeout=5).status_code == 200
+    assert requests.get(f"{triton_server.http_url}/v2/models/llm/ready", timeout=5).status_code == 200
     text = requests.get(triton_server.metrics_url, timeout=5).text
     on_the_wire = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
     missing = dashboard_metrics() - on_the_wire

@@ -170,9 +170,11 @@ def test_an_engine_that_cannot_recover_makes_the_launcher_drain_and_exit_1(tmp_p
     (budget 1), and when the new engine dies too, drains and exits 1 (the container's liveness: the process is
     gone), its children with it."""
     fault = tmp_path / "fault"
+    openai_port = free_port()
     server = start_launcher(tmp_path / "serve.log", single_version_repository(tmp_path / "models", SETTINGS),
-                            launcher_args=["--max-restarts=1"],
+                            launcher_args=["--max-restarts=1"], openai_port=openai_port,
                             env={"LLM_FAULT_INJECTION_FILE": str(fault), "TRITON_ADMIN_KEY": "operator-key"})
+    frontend_health = f"http://127.0.0.1:{openai_port}/health"
     client = LLMClient(server.grpc_url, server.http_url)
     children = psutil.Process(server.process.pid).children(recursive=True)
     admin = {"triton-admin-key": "operator-key"}
@@ -181,11 +183,14 @@ def test_an_engine_that_cannot_recover_makes_the_launcher_drain_and_exit_1(tmp_p
         assert unload.status_code == 200, unload.text
         time.sleep(4)  # four looks of the watch
         assert requests.get(f"{server.http_url}/v2/models/llm/ready", timeout=5).status_code != 200
+        # Triton's server readiness reads true again once the model is unloaded; the frontend's asks the model's.
+        assert requests.get(frontend_health, timeout=5).status_code == 503
         assert server.process.poll() is None
         assert "model 'llm' was unloaded through the repository API: not loading it again" in server.log()
         load = requests.post(f"{server.http_url}/v2/repository/models/llm/load", headers=admin, timeout=300)
         assert load.status_code == 200, load.text
         serving_again_on_triton(client, server, time.monotonic())
+        assert requests.get(frontend_health, timeout=5).status_code == 200
         fault.touch()
         kill_engine(client)
         died = time.monotonic()

@@ -209,6 +209,9 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
         ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
          "parameters must be a JSON schema of an object"),
         ([{"type": "function", "function": {"name": "f"}, "extra": 1}], "tools[0] has unknown field(s) extra"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {  # tool_choice auto: not enforced, but read
+            "type": "object", "properties": {"x": {"type": "banana"}}}}}],
+         "tools[0].function.parameters is not a valid JSON schema at .properties.x.type: 'banana'"),
         ([{"type": "function", "function": {"name": "f", "bogus": 1}}],
          "tools[0].function has unknown field(s) bogus")]],
     ({"messages": [{"role": "user", "content": "hi", "name": {"first": "x"}}]}, "messages.0.name",

@@ -79,7 +79,7 @@ def test_sigterm_drains_streams_in_flight_then_exits_cleanly(launcher):
 
     sigterm = time.monotonic()
     launcher.process.send_signal(signal.SIGTERM)
-    while requests.get(f"{launcher.http_url}/v2/health/ready").status_code == 200:
+    while requests.get(f"{launcher.http_url}/v2/models/llm/ready").status_code == 200:
         assert time.monotonic() - sigterm < 5, "still ready after SIGTERM"
         time.sleep(0.05)
     not_ready = time.monotonic() - sigterm

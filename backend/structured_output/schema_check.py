@@ -176,14 +176,21 @@ def check_json_schema(text: str, limits: SchemaLimits = SchemaLimits()) -> objec
 
 
 def _check_against_metaschema(schema: object) -> None:
-    """Refuses a document that is not a valid schema of its draft (``$schema``; 2020-12 when it names none):
-    ``"minLength": -1``, ``"type": "banana"``, ``"required": "a"``, ... (which xgrammar refuses with C++ text, or
-    reads its own way)."""
+    error = metaschema_error(schema)
+    if error is not None:
+        raise ValueError(error)
+
+
+def metaschema_error(schema: object) -> str | None:
+    """Why a document is not a valid schema of its draft (``$schema``; 2020-12 when it names none), e.g. ``not a
+    valid JSON schema at $.minLength: -1 is less than the minimum of 0``, or None when it is one. xgrammar
+    refuses such documents with its C++ source line, or reads them its own way."""
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
-    if error is not None:
-        where = "$" + "".join(f"[{p}]" if isinstance(p, int) else _member(p) for p in error.absolute_path)
-        raise ValueError(f"not a valid JSON schema at {where}: {error.message[:200]}")
+    if error is None:
+        return None
+    where = "$" + "".join(f"[{p}]" if isinstance(p, int) else _member(p) for p in error.absolute_path)
+    return f"not a valid JSON schema at {where}: {error.message[:200]}"
 
 
 def check_regex(pattern: str) -> None:
