@@ -136,10 +136,12 @@ class ModelRunner:
         sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
         requests = [scheduled[i].request for i in sample_rows]
         prompt_rows = prompt_logprobs.plan(scheduled, cu_seqlens[:-1].tolist())
-        if self.decode_graphs is not None and not prompt_rows and self.decode_graphs.covers(counts):
+        if (self.decode_graphs is not None and not prompt_rows and sched.num_decodes == len(scheduled)
+                and self.decode_graphs.covers(counts)):
             logits = self.decode_graphs.run(torch.tensor(token_ids), positions, slot_mapping, seq_lens, block_tables)
             return self._sample(requests, logits=logits[sample_rows])
-        meta = self.attn_builder.build(StepBatch(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping))
+        meta = self.attn_builder.build(StepBatch(counts, starts, seq_lens, cu_seqlens, block_tables, slot_mapping,
+                                                 sched.num_decodes))
         verifying = None
         if sched.num_draft_tokens:  # a speculative decode samples its last token's row and each draft's
             verifying = [scheduled[i] for i in sample_rows]

@@ -229,9 +229,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     drop = positions >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep a token while the mass before it is below top_p, and the most likely token whatever top_p is (one
-    # under fp32's smallest, 1e-300, is 0 here: it would drop every token).
+    # under fp32's smallest, 1e-300, is 0 here: it would drop every token). Only in rows that ask: fp32's running
+    # sum reaches 1.0 before the vocabulary's tail, so top_p 1 would drop thousands of tail tokens, and a row's
+    # draw would depend on whether a batch mate asked for top-k or top-p.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+    p = torch.tensor(top_p, dtype=probs.dtype)[:, None]
+    drop |= (mass_before >= p) & (p < 1.0)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

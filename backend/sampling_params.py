@@ -47,8 +47,10 @@ class SamplingParams:
             has its upper 32 bits mixed into the lower (``generator_seed``), so that seeds which differ only
             there (s and s + 2**32, or -1 and 2**32 - 1) draw differently. The n completions of a request use
             seed, seed + 1, ..., seed + n - 1 (as vLLM does), so neighbouring seeds share completions. In fp32
-            the tokens are the same whatever shares the batch (every GEMM sums in one order for any number of
-            rows); a request preempted and recomputed, or one whose prompt is served from cached blocks that
+            on the C++ kernels the tokens are the same whatever shares the batch (every GEMM sums in one order for
+            any number of rows, and the prefill attention kernel for any split of a prompt into chunks, for heads
+            of 64 or 128 dimensions; other head sizes attend through SDPA, whose sums follow the chunk); a request
+            preempted and recomputed, or one whose prompt is served from cached blocks that
             another request's decode steps wrote (a chat's earlier answer), has K/V from a prefill where they came
             from decode steps, or the reverse; the two attention kernels round differently (about 1e-5 in
             log-probabilities), so a draw that falls that close to a boundary can go the other way.

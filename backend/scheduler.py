@@ -48,7 +48,7 @@ from backend.config import EngineConfig
 from backend.kv_cache_manager import KVCacheManager
 from backend.ngram_proposer import NgramProposer, can_speculate
 from backend.request import Request, RequestStatus
-from backend.scheduler_output import ScheduledRequest, SchedulerOutput
+from backend.scheduler_output import ScheduledRequest, SchedulerOutput, is_decode
 from backend.stats import SchedulerStats
 from backend.step_cost import DECAY, StepCost
 from backend.stopping import stop_status
@@ -226,7 +226,7 @@ class Scheduler:
             charged[request.request_id] = num_new + 1
             prefill_budget -= num_new + 1
 
-        scheduled.sort(key=lambda item: item[1] != 1)  # decodes first; stable within each group
+        scheduled.sort(key=lambda item: not is_decode(*item))  # decodes first; stable within each group
         if self._drafts:
             drafts = self._drafts
             return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,

@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 from backend.request import Request
 
 
+def is_decode(request: Request, num_scheduled_tokens: int) -> bool:
+    """A decode: one token, the last one the request generated. A prompt's chunk of one token (its last token
+    where the step's budget split it off, or a one-token prompt) is prefill: its attention runs in the prefill
+    kernel, as when the same position comes in a longer chunk, so a request's numbers do not depend on how its
+    prompt was chunked beside other requests (the decode kernel rounds differently, about 1e-6)."""
+    return num_scheduled_tokens == 1 and request.num_output_tokens > 0
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of the step.
@@ -51,6 +59,10 @@ class ScheduledRequest:
         return self.request.token_ids[self.num_computed_tokens:self.seq_len]
 
     @property
+    def is_decode(self) -> bool:
+        return not self.draft_token_ids and is_decode(self.request, self.num_scheduled_tokens)
+
+    @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token: its logits give the next token (with drafts: the
         logits of the last token and of every draft verify them)."""
@@ -59,8 +71,8 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What to compute this step: decodes (one token) first, then prefill chunks and speculative decodes, so
-    the model runner can batch the decodes. ``num_draft_tokens``: drafts over all requests (0 without
+    """What to compute this step: decodes (:func:`is_decode`) first, then prefill chunks and speculative decodes,
+    so the model runner can batch the decodes. ``num_draft_tokens``: drafts over all requests (0 without
     speculation)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -77,6 +89,14 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        """The decodes at the front."""
+        n = 0
+        while n < len(self.scheduled) and self.scheduled[n].is_decode:
+            n += 1
+        return n
 
     @property
     def num_prefills(self) -> int:

@@ -284,7 +284,10 @@ class CoreSim:
         assert len(ids) <= sched.max_num_seqs and len(sched.running) <= sched.max_num_seqs
         assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         sizes = out.num_scheduled_tokens
-        assert sizes == sorted(sizes, key=lambda n: n != 1), "decodes not first"
+        decodes = [s.is_decode for s in out.scheduled]
+        assert decodes == sorted(decodes, reverse=True), "decodes not first"
+        assert all(n == 1 for n, decode in zip(sizes, decodes) if decode), "a decode of more than one token"
+        assert out.num_decodes == sum(decodes)
         running = {id(r) for r in sched.running}
         assert out.num_draft_tokens == sum(len(s.draft_token_ids) for s in out.scheduled)
         for s in out.scheduled:

@@ -9,7 +9,7 @@ import torch
 
 from backend import EngineConfig, LLMEngine, SamplingParams
 from backend.sampling_params import generator_seed
-from conftest import drain, run_to_completion
+from conftest import build_tiny_model, drain, run_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,49 @@ def test_a_top_p_that_is_0_in_fp32_samples_the_top_token_beside_its_batch_mates(
     results = run_to_completion(engine, sinks)
     assert tokens(results["tiny"]) == want
     assert all(outs[-1].finish_reason == "length" and len(tokens(outs)) == 12 for outs in results.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir_head_dim_64(tmp_path_factory, tokenizer):
+    """The tiny llama with heads of 64 dimensions, which the C++ attention kernels take in tiles (as SmolLM2's)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), "llama", tokenizer, head_dim=64)
+
+
+@pytest.mark.parametrize("case", ["wide step", "chunked prompt"])
+def test_fp32_numbers_do_not_depend_on_what_shares_the_step(make_engine, default_model_dir, tiny_model_dir_head_dim_64,
+                                                            case):
+    """In fp32 a request's logprobs, prompt logprobs and seeded draws are bit for bit the same alone and (1) in a
+    step of more rows than small_gemm takes a call (a long prompt beside it: oneDNN, which ran such steps, sums
+    SmolLM2's 576- and 1536-long rows in another order), (2) with its prompt split into chunks by the step's token
+    budget, the last token in a chunk of its own (the decode kernel, which took such a chunk, rounds differently
+    from the prefill kernel)."""
+    model = default_model_dir if case == "wide step" else tiny_model_dir_head_dim_64
+    want = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    seeded = SamplingParams(max_tokens=8, temperature=1.3, seed=2, ignore_eos=True, logprobs=0)
+    prompt = list(range(40, 56))  # 16 tokens
+
+    def run(engine, mates, late: bool):
+        """``prompt`` greedy and seeded, after ``mates`` (added a step earlier when ``late``)."""
+        sinks = {f"m{i}": engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                             request_id=f"m{i}") for i, p in enumerate(mates)}
+        if late:
+            engine.step()
+        sinks.update(g=engine.add_request(prompt, want, request_id="g"),
+                     s=engine.add_request(prompt, seeded, request_id="s"))
+        results = run_to_completion(engine, sinks)
+        greedy, sampled = results["g"], results["s"]
+        return ([(t, lp.logprob, sorted(lp.top.items())) for o in greedy for t, lp in zip(o.token_ids, o.logprobs)],
+                [(lp.logprob, sorted(lp.top.items())) if lp else None for lp in greedy[0].prompt_logprobs],
+                [(t, lp.logprob) for o in sampled for t, lp in zip(o.token_ids, o.logprobs)])
+
+    wide = make_engine(model, enable_prefix_caching=False)
+    alone = run(wide, [], late=False)
+    if case == "wide step":
+        assert run(wide, [list(range(3, 3 + 300))], late=False) == alone  # 300 + 32 rows in one step
+        return
+    for budget in (17, 9, 4):  # the mate decodes, so each prompt gets budget - 1 tokens a step
+        assert run(make_engine(model, enable_prefix_caching=False, max_num_batched_tokens=budget),
+                   [[5, 6, 7]], late=True) == alone, budget
 
 
 def test_abort_frees_blocks_and_ends_with_one_final(make_engine, tiny_model_dir):

@@ -7,7 +7,7 @@ import torch
 
 from backend import Request, SamplingParams
 from backend.bad_words import banned_next_tokens
-from backend.sampler import Sampler
+from backend.sampler import Sampler, _top_k_top_p
 
 VOCAB = 64
 
@@ -146,3 +146,22 @@ def test_unseeded_draws_in_one_batch_differ_and_follow_the_distribution():
                             minlength=3)
     sigma = (probs * (1 - probs) / draws).sqrt()
     assert bool(((counts / draws - probs).abs() <= 4 * sigma).all()), counts.tolist()
+
+
+def test_a_batch_mates_top_k_or_top_p_moves_no_other_rows_draw():
+    """Top-k/top-p runs on the whole batch once a row asks; a row that does not (top_k -1, top_p 1) must come out
+    as it went in. fp32's running sum of a large vocabulary's probabilities reaches 1.0 before its tail: read as
+    top_p 1, it dropped tens of thousands of tail tokens, and a seeded draw changed with its batch mates."""
+    vocab = 49152
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 6
+    masked = _top_k_top_p(logits.clone(), [-1], [1.0])
+    assert torch.equal(masked, logits)
+
+    def seeded(**params):
+        return Request("r", [1, 2, 3], SamplingParams(temperature=1.0, **params), eos_token_ids=(0,), max_tokens=16)
+
+    for seed in range(10):
+        alone = Sampler()(logits.clone(), [seeded(seed=seed)]).token_ids[0]
+        beside = Sampler()(torch.cat([logits, logits]), [seeded(seed=seed), seeded(top_k=5, top_p=0.5)]).token_ids
+        assert beside[0] == alone, seed
+        assert beside[1] in logits[0].topk(5).indices.tolist()

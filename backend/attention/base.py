@@ -24,8 +24,8 @@ class AttentionMetadata:
     Attributes:
         kv_caches: per layer, (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64, the cache slot of each packed token.
-        num_decodes: the first ``num_decodes`` packed tokens are single-token queries, one per request (the
-            scheduler puts running requests first).
+        num_decodes: the first ``num_decodes`` packed tokens are decodes, one per request (the scheduler puts
+            them first: ``backend.scheduler_output.is_decode``).
         decode_seq_lens: ``[num_decodes]``, context length including the new token.
         decode_block_tables: ``[num_decodes, max_blocks]``.
         impl: the backend implementation that attends with this metadata (a class constant of each subclass).
@@ -56,14 +56,7 @@ class StepBatch:
     cu_seqlens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
-
-    @property
-    def num_decodes(self) -> int:
-        """How many requests at the front have one query token."""
-        n = 0
-        while n < len(self.counts) and self.counts[n] == 1:
-            n += 1
-        return n
+    num_decodes: int  # the requests at the front that decode (one query token each), the rest prefill
 
 
 class AttentionImpl:

@@ -40,11 +40,12 @@ def unsupported_reason(hf_model, max_model_len: int) -> str | None:
     return None
 
 
-# Up to this many bytes of weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
-# (cpu_ops.small_gemm: AMX, or AVX512-BF16 / AVX-512 on the same layout): that doubles the weights' memory, worth
-# it for the small models CPUs serve. Past it, on AVX-512 without AMX, the tile layout is the only copy (prompts go
-# through small_gemm in slices); with AMX, oneDNN runs every GEMM. (On AVX2 without AVX-512, fp32 and bf16:
-# small_gemm runs every GEMM from the one copy, at any size.)
+# Up to this many bytes of bf16 weights, the CPU decoder also keeps them in AMX's tile layout for decode-sized GEMMs
+# (cpu_ops.small_gemm: AMX, or AVX512-BF16 on the same layout): that doubles the weights' memory, worth it for the
+# small models CPUs serve. Past it, on AVX-512 without AMX, the tile layout is the only copy (prompts go through
+# small_gemm in slices); with AMX, oneDNN runs every GEMM. fp32 weights on AVX-512 keep the tile layout only, at
+# any size (prompts in slices: one summation order for any number of rows). (On AVX2 without AVX-512, fp32 and
+# bf16: small_gemm runs every GEMM from the one copy, at any size.)
 SMALL_GEMM_WEIGHT_LIMIT_BYTES = 4 << 30
 # Past that limit, the tile layout is the only copy where small_gemm takes slices of at least this many rows: prompts
 # run through it slice by slice (docs/kernels.md).
@@ -130,11 +131,15 @@ class LlamaDecoder(torch.nn.Module):
         # int8 weights are packed for their own kernel only: no second copy in the tile layout. Where small_gemm
         # takes every GEMM (AVX2 without AVX-512), its layout is the only copy, whatever the size; past the limit,
         # where it takes prompts in slices, too (SMALL_GEMM_WEIGHT_LIMIT_BYTES).
+        # An fp32 model keeps that layout only, at any size: small_gemm sums each row in one order whatever the
+        # number of rows, so a request's tokens do not depend on what shares its step (oneDNN's order for a step
+        # of over small_gemm's rows differs), at oneDNN's rate for prompts (docs/kernels.md).
         head = hf_model.lm_head.weight
-        small_batch_only = (cpu_kernels and quantization == "none" and weight_bytes > SMALL_GEMM_WEIGHT_LIMIT_BYTES
-                            and _small_gemm_slices_prompts(head))
+        too_large = weight_bytes > SMALL_GEMM_WEIGHT_LIMIT_BYTES
+        small_batch_only = cpu_kernels and quantization == "none" and (
+            (too_large and _small_gemm_slices_prompts(head)) or _small_gemm_slices_fp32(head))
         small_batch = cpu_kernels and quantization == "none" and (
-            weight_bytes <= SMALL_GEMM_WEIGHT_LIMIT_BYTES or _small_gemm_takes_every_gemm(head) or small_batch_only)
+            not too_large or _small_gemm_takes_every_gemm(head) or small_batch_only)
         self.quantization = quantization
         self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, i, cpu_kernels, small_batch, quantization,
                                                        small_batch_only) for i, layer in enumerate(inner.layers))
@@ -149,7 +154,7 @@ class LlamaDecoder(torch.nn.Module):
         self.greedy_head = None
         # Not past the limit: its bf16 copy (and an untied head's fp32 weight) would add to a model kept in one copy.
         if (self.lm_head.small_batch is not None and self.lm_head.quantization == "none" and lm_bias is None
-                and not small_batch_only and _greedy_head_fits(hf_model.lm_head.weight)):
+                and not too_large and _greedy_head_fits(hf_model.lm_head.weight)):
             self.greedy_head = GreedyHead(hf_model.lm_head.weight, max_rows=self.lm_head.small_batch_rows)
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
@@ -235,9 +240,17 @@ def _small_gemm_takes_every_gemm(weight: torch.Tensor) -> bool:
 def _small_gemm_slices_prompts(weight: torch.Tensor) -> bool:
     """Whether prompts run through ``cpu_ops.small_gemm`` in slices here for ``weight``'s dtype: on AVX-512 vector
     units without AMX (slices of at least :data:`PROMPT_SLICE_ROWS` rows, about oneDNN's rate on a Zen 4 EPYC).
-    Not with AMX tiles (64 rows a call; on such a CPU fp32 too stays with oneDNN: slices there were not measured)."""
+    Not with AMX tiles (64 rows a call); fp32: :func:`_small_gemm_slices_fp32`."""
     return (weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
             and cpu_ops.small_gemm_max_rows(torch.bfloat16) >= PROMPT_SLICE_ROWS  # no AMX tiles
+            and PROMPT_SLICE_ROWS <= cpu_ops.small_gemm_max_rows(weight.dtype) < cpu_ops.EVERY_GEMM)
+
+
+def _small_gemm_slices_fp32(weight: torch.Tensor) -> bool:
+    """Whether an fp32 ``weight``'s prompts run through ``cpu_ops.small_gemm`` in slices here: its fp32 kernel
+    (AVX-512 vector units, with or without AMX, which has no fp32 tiles) takes at least :data:`PROMPT_SLICE_ROWS`
+    rows a call."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_ops.small_gemm_available(weight.dtype)
             and PROMPT_SLICE_ROWS <= cpu_ops.small_gemm_max_rows(weight.dtype) < cpu_ops.EVERY_GEMM)
 
 
