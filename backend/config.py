@@ -242,8 +242,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at most {most}, got {getattr(self, name)}")
 
     @classmethod
-    def from_dict(cls, values: dict[str, object]) -> "EngineConfig":
+    def from_dict(cls, values: dict[str, object], also_known: tuple[str, ...] = ()) -> "EngineConfig":
         """Builds a config from strings or typed values (e.g. Triton config parameters, ``engine.json``).
+        ``also_known``: the caller's own settings, taken out of ``values`` already, listed among the known ones
+        when a key is unknown.
 
         A string that is empty (or only spaces) means the setting's default, as if the key were absent;
         ``none`` / ``null`` / ``auto`` mean None for settings that take None. Typed values (JSON) must have
@@ -257,7 +259,7 @@ class EngineConfig:
         kwargs: dict[str, object] = {}
         for key, raw in values.items():
             if key not in fields:
-                raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(fields))}")
+                raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted([*fields, *also_known]))}")
             if isinstance(raw, str) and not raw.strip():
                 continue  # the default
             kwargs[key] = _parse(key, raw, fields[key].type)

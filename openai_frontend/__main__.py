@@ -15,12 +15,24 @@ from openai_frontend.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_
 from openai_frontend.models import tokenizer_for
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free one), for argparse."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> None:
     # No abbreviations: "--trust" must not quietly mean --trust-request-chat-template.
     parser = argparse.ArgumentParser(description="OpenAI-compatible API in front of Triton's llm model.",
                                      allow_abbrev=False)
     parser.add_argument("--host", default=os.environ.get("OPENAI_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
+    parser.add_argument("--port", type=_port, default=os.environ.get("OPENAI_PORT", "9000"),
+                        help="the port (default: $OPENAI_PORT, else 9000)")
     parser.add_argument("--triton-url", default=os.environ.get("TRITON_GRPC_URL", "localhost:8001"),
                         help="Triton's gRPC endpoint, host:port")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,

@@ -512,6 +512,14 @@ def test_an_engine_json_that_is_not_an_object_is_refused_naming_the_file(tmp_pat
     assert EngineConfig.from_dict(read_settings_file(path)).max_num_seqs == 4
 
 
+def test_an_unknown_setting_is_refused_listing_the_adapters_settings_too():
+    """The served model takes drain_grace_s and vllm_metrics out before the engine reads the rest: a typo's
+    message still lists them."""
+    with pytest.raises(ValueError, match="^unknown engine setting 'max_num_seq'; known: .*drain_grace_s.*"
+                                         "max_num_seqs.*vllm_metrics$"):
+        EngineConfig.from_dict({"max_num_seq": "2"}, also_known=("drain_grace_s", "vllm_metrics"))
+
+
 def test_settings_that_would_do_nothing_or_cannot_be_allocated_stop_the_engine(make_engine, tiny_model_dir):
     with pytest.raises(ValueError, match="cpu_threads_bind '0' pins threads through the C\\+\\+ CPU kernels, which this "
                                          "engine does not run"):

@@ -495,3 +495,13 @@ def test_a_body_that_is_not_json_is_a_400_that_says_why(frontend):
                           timeout=10)
     assert empty.status_code == 400 and empty.json()["error"]["message"] == (
         "the request has no body: send a JSON object with Content-Type: application/json")
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--port", "99999"], {}, "argument --port: a port is 0-65535, got 99999"),
+    ([], {"OPENAI_PORT": "abc"}, "argument --port: not a port number: 'abc'"),
+])
+def test_a_port_out_of_range_is_a_usage_error_not_a_traceback(argv, env, message):
+    run = subprocess.run([sys.executable, "-m", "openai_frontend", *argv], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr

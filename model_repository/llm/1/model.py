@@ -43,10 +43,10 @@ from backend.errors import REQUEST_ERROR_STARTS
 from backend.fan_in import Completion, FanIn
 from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
-from serve.drain import DrainMonitor, pop_grace
+from serve.drain import GRACE_SETTING, DrainMonitor, pop_grace
 from serve.health import HealthMonitor
 from serve.logprobs import vllm_logprobs
-from serve.metrics import EngineMetrics, pop_metric_settings
+from serve.metrics import METRIC_SETTINGS, EngineMetrics, pop_metric_settings
 from serve.request_parsing import check_request_id, parse_request
 
 log = logging.getLogger("llm")
@@ -99,7 +99,7 @@ class TritonPythonModel:
             settings.update(read_settings_file(overrides))
         metric_options = pop_metric_settings(settings)
         drain_grace_s = pop_grace(settings)
-        self.engine = LLMEngine(EngineConfig.from_dict(settings))
+        self.engine = LLMEngine(EngineConfig.from_dict(settings, also_known=(*METRIC_SETTINGS, GRACE_SETTING)))
         self.metrics = EngineMetrics(pb_utils, args["model_name"], args["model_version"], **metric_options,
                                      speculative=self.engine.config.num_speculative_tokens > 0)
         self.health = HealthMonitor(self.engine, pb_utils, args["model_name"])
