@@ -227,15 +227,16 @@ class Scheduler:
             prefill_budget -= num_new + 1
 
         scheduled.sort(key=lambda item: not is_decode(*item))  # decodes first; stable within each group
+        num_decodes = sum(1 for item in scheduled if is_decode(*item))
         if self._drafts:
             drafts = self._drafts
             return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
                                                      self.kv.get_block_ids(request.request_id),
                                                      drafts.get(request.request_id, ()))
-                                    for request, n in scheduled], sum(len(d) for d in drafts.values()))
+                                    for request, n in scheduled], sum(len(d) for d in drafts.values()), num_decodes)
         return SchedulerOutput([ScheduledRequest(request, request.num_computed_tokens, n,
                                                  self.kv.get_block_ids(request.request_id))
-                                for request, n in scheduled])
+                                for request, n in scheduled], num_decodes=num_decodes)
 
     def _prefill_budget(self) -> int | float:
         """Work units (prefill tokens, plus one per request that samples) this step may spend on prefill:

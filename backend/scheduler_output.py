@@ -15,10 +15,12 @@ from backend.request import Request
 
 
 def is_decode(request: Request, num_scheduled_tokens: int) -> bool:
-    """A decode: one token, the last one the request generated. A prompt's chunk of one token (its last token
-    where the step's budget split it off, or a one-token prompt) is prefill: its attention runs in the prefill
-    kernel, as when the same position comes in a longer chunk, so a request's numbers do not depend on how its
-    prompt was chunked beside other requests (the decode kernel rounds differently, about 1e-6)."""
+    """A decode: one token of a request that has generated (its last token; or, recomputed after a preemption,
+    a one-token chunk of its sequence). A prompt's chunk of one token (its last token where the step's budget
+    split it off, or a one-token prompt) is prefill: its attention runs in the prefill kernel, as when the same
+    position comes in a longer chunk, so a request's numbers do not depend on how its prompt was chunked beside
+    other requests (the decode kernel rounds differently, about 1e-6). Read before the step's forward pass
+    (the sampled token changes the answer)."""
     return num_scheduled_tokens == 1 and request.num_output_tokens > 0
 
 
@@ -73,10 +75,11 @@ class ScheduledRequest:
 class SchedulerOutput:
     """What to compute this step: decodes (:func:`is_decode`) first, then prefill chunks and speculative decodes,
     so the model runner can batch the decodes. ``num_draft_tokens``: drafts over all requests (0 without
-    speculation)."""
+    speculation); ``num_decodes``: how many requests at the front decode."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_draft_tokens: int = 0
+    num_decodes: int = 0  # the decodes at the front, counted when scheduled (is_decode reads request state)
 
     @property
     def requests(self) -> list[Request]:
@@ -91,16 +94,8 @@ class SchedulerOutput:
         return sum(s.num_scheduled_tokens for s in self.scheduled)
 
     @property
-    def num_decodes(self) -> int:
-        """The decodes at the front."""
-        n = 0
-        while n < len(self.scheduled) and self.scheduled[n].is_decode:
-            n += 1
-        return n
-
-    @property
     def num_prefills(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_scheduled_tokens - len(s.draft_token_ids) > 1)
+        return len(self.scheduled) - self.num_decodes - sum(1 for s in self.scheduled if s.draft_token_ids)
 
     @property
     def is_empty(self) -> bool:

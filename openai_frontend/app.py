@@ -186,7 +186,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check()
         check_completion_count(1, body.n, config.limits)
-        tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = await asyncio.to_thread(ToolChoice.from_request, body.tools, body.tool_choice,  # checks schemas
+                                        body.parallel_tool_calls)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = body.sampling_parameters(max_tokens, logprobs)
@@ -236,7 +237,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         body.check()
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
-        tools = ToolChoice.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = await asyncio.to_thread(ToolChoice.from_request, body.tools, body.tool_choice,  # checks schemas
+                                        body.parallel_tool_calls)
         prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
                                          config.trust_request_chat_template)  # as generated
         (ids,) = await render_token_ids(tokenizer, [prompt], max_model_len(config.model_repository, name, version))

@@ -72,7 +72,8 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
                                            add_generation_prompt=body.add_generation_prompt,
                                            continue_final_message=body.continue_final_message)
             chat.check()
-            tools = ToolChoice.from_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+            tools = await asyncio.to_thread(ToolChoice.from_request, chat.tools, chat.tool_choice,  # checks schemas
+                                            chat.parallel_tool_calls)
         tok, name, version = await tokenizer(body.model)
         limit = max_model_len(config.model_repository, name, version)
         if chat is not None:

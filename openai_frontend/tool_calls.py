@@ -112,8 +112,7 @@ class ToolChoice:
                                   "(arguments are always an object)", "invalid_value", "tools")
             invalid = metaschema_error(schema)
             if invalid is not None:  # the model would read it in its prompt (auto), the grammar refuse it later
-                raise OpenAIError(400, f"tools[{i}].function.parameters is {invalid.replace('at $', 'at ', 1)}",
-                                  "invalid_value", "tools")
+                raise OpenAIError(400, f"tools[{i}].function.parameters: {invalid}", "invalid_value", "tools")
             functions.append(function)
         choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
         strict = unenforced_strict(functions, choice)

@@ -182,6 +182,13 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
                                                     "tool_calls": []}).status_code == 503  # on to Triton (down)
 
 
+def _nested_object(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "must be one of"),
     ({"messages": [{"role": "user<|im_end|>", "content": "hi"}]}, "messages.0.role", "must be one of"),
@@ -211,7 +218,9 @@ def test_a_message_without_content_is_400_unless_it_is_the_assistant_s(frontend)
         ([{"type": "function", "function": {"name": "f"}, "extra": 1}], "tools[0] has unknown field(s) extra"),
         ([{"type": "function", "function": {"name": "f", "parameters": {  # tool_choice auto: not enforced, but read
             "type": "object", "properties": {"x": {"type": "banana"}}}}}],
-         "tools[0].function.parameters is not a valid JSON schema at .properties.x.type: 'banana'"),
+         "tools[0].function.parameters: not a valid JSON schema at $.properties.x.type: 'banana'"),
+        ([{"type": "function", "function": {"name": "f", "parameters": _nested_object(150)}}],
+         "tools[0].function.parameters: not a valid JSON schema: it nests too deeply to check"),
         ([{"type": "function", "function": {"name": "f", "bogus": 1}}],
          "tools[0].function has unknown field(s) bogus")]],
     ({"messages": [{"role": "user", "content": "hi", "name": {"first": "x"}}]}, "messages.0.name",

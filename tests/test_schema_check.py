@@ -80,7 +80,7 @@ REFUSED_CASES = [
     # The grammar writes a character it names alone into the string unescaped.
     *[({"type": "string", "pattern": pattern}, "pattern", "$") for pattern in (
         '^say "hi"$', "^line1\\nline2$", "^\\t$", "^a\\\\b$", "^[A-Z]:\\\\[a-z]+$", "^\\x22$", "^\\u005c$",
-        "^[\\n]$", "^\x01$")],
+        "^[\\n]$", "^\x01$", "^[\\n\\t]$", '^[""]$', "^a[\\u0000-\\u0008]b$", '^[\\\\"]$')],
     ({"type": "object", "patternProperties": {'^"': INT}}, "patternProperties", "$"),
     ({"type": "object", "propertyNames": {"type": "string", "pattern": "^a\\\\"}}, "pattern", "$.propertyNames"),
     # Integer bounds are whole 64-bit numbers in the grammar.
@@ -88,6 +88,7 @@ REFUSED_CASES = [
     ({"type": ["integer", "null"], "exclusiveMaximum": 9.5}, "exclusiveMaximum", "$"),
     ({"type": "integer", "maximum": 2**63}, "maximum", "$"),
     ({"type": "integer", "minimum": -1e30}, "minimum", "$"),
+    ({"type": "integer", "minimum": 10**400}, "minimum", "$"),  # beyond a float: no OverflowError
     ({"type": "object", "patternProperties": {"^[a-c]$": INT}, "minProperties": 3}, "minProperties", "$"),
     ({"type": "object", "propertyNames": {"type": "string", "maxLength": 2}, "minProperties": 1},
      "minProperties", "$"),
@@ -128,6 +129,7 @@ ALLOWED = [
     # A range, a negated class or a class of several members keeps '"', '\\' and control characters out.
     {"type": "string", "pattern": '^[^"\\\\]+$'},
     {"type": "string", "pattern": '^[a"\\n]$'},
+    {"type": "string", "pattern": "^[\\x1f-\\x22\\d]$"},
     {"type": "string", "pattern": "^[ -~]+\\.$"},
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 1.0, "maximum": 2**63 - 1}},
      "additionalProperties": False},
@@ -143,6 +145,8 @@ def test_enforced_and_annotation_keywords_pass(schema):
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "minLength": -1}, "at $.minLength: -1 is less than the minimum of 0"),
     ({"type": "array", "items": {"type": "integer"}, "minItems": -3}, "at $.minItems: -3 is less than"),
+    ({"type": "object", "$schema": 5}, "at $.$schema: 5 is not a URI string"),
+    ({"type": "object", "$schema": [1]}, "at $.$schema: [1] is not a URI string"),
     ({"type": "array", "items": {"type": "string", "maxLength": 2.5}}, "at $.items.maxLength: 2.5 is not"),
 ])
 def test_a_document_that_is_not_a_schema_is_refused_naming_where(schema, message):

@@ -48,8 +48,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "minItems": (ENFORCED, "with `type` array"),
     "maxItems": (ENFORCED, "with `type` array"),
     "unevaluatedItems": (ENFORCED, "with `type` array"),
-    "properties": (ENFORCED, "with `type` object; optional properties may be left out, never extra ones "
-                             "unless `additionalProperties` allows them"),
+    "properties": (ENFORCED, "with `type` object; optional properties may be left out, and no key but those "
+                             "listed is written (`additionalProperties` beside them is false or left out)"),
     "required": (ENFORCED, "with `type` object; every name listed in `properties`"),
     "additionalProperties": (ENFORCED, "with `type` object; beside `properties` only false (an extra key could spell "
                                        "a listed name with escapes, `\\u0061` for `a`, past that property's schema)"),
@@ -185,8 +185,13 @@ def metaschema_error(schema: object) -> str | None:
     """Why a document is not a valid schema of its draft (``$schema``; 2020-12 when it names none), e.g. ``not a
     valid JSON schema at $.minLength: -1 is less than the minimum of 0``, or None when it is one. xgrammar
     refuses such documents with its C++ source line, or reads them its own way."""
+    if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
+        return f"not a valid JSON schema at $.$schema: {json.dumps(schema['$schema'])[:60]} is not a URI string"
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    try:
+        error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    except RecursionError:  # the structured-output path bounds the depth first; a tool's schema may not
+        return "not a valid JSON schema: it nests too deeply to check"
     if error is None:
         return None
     where = "$" + "".join(f"[{p}]" if isinstance(p, int) else _member(p) for p in error.absolute_path)
@@ -253,7 +258,8 @@ def check_regex(pattern: str) -> None:
 def with_ecma_dot(pattern: str) -> str:
     """``pattern`` (one passed by :func:`check_regex`) with each ``.`` outside a class written as ECMA-262
     reads it, any character but a line terminator (``[^\\n\\r\\u2028\\u2029]``): xgrammar's regex lets ``.``
-    match them too. Inside a JSON string no pattern needs this (the string's grammar keeps them out)."""
+    match them too. Inside a JSON string the string's grammar keeps ``\\n`` and ``\\r`` out (U+2028 and U+2029
+    stay, as docs/openai.md says)."""
     out, i, n, in_class = [], 0, len(pattern), False
     while i < n:
         c = pattern[i]
@@ -363,7 +369,7 @@ class _Walker:
             for keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
                 value = schema.get(keyword)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
-                        float(value).is_integer() and -2**63 <= value < 2**63):
+                        -2**63 <= value < 2**63 and (isinstance(value, int) or value.is_integer())):
                     _refuse(keyword, path, f"{value!r}: with type integer a bound is a whole number within 64 bits "
                                            f"(the grammar's integers)")
         if "multipleOf" in schema:
@@ -576,14 +582,20 @@ def _must_escape(char: str) -> bool:
     return char in '"\\' or ord(char) < 0x20
 
 
+def _all_must_escape(first: str, last: str) -> bool:
+    """Whether every character from ``first`` to ``last`` is one JSON writes only escaped."""
+    return ord(last) < 0x20 or (first == last and _must_escape(first))
+
+
 def _json_escaped_literal(pattern: str) -> tuple[int, str] | None:
     """The first literal character of a pattern (one already passed by :func:`check_regex`) that a JSON string
     holds only escaped (``"``, a backslash, a control character), with its position, or None.
 
-    xgrammar keeps such a character out of a string when it comes from a range, a negated class, ``.`` or a
-    class escape, but writes it as it is (not escaped: invalid JSON, or another string) when the pattern names
-    it alone: a literal, an escape (``\\"``, ``\\\\``, ``\\n``, ``\\x22``, ``\\u005c``) or the only member
-    of a class (``[\\n]``); a class of several members drops it (stricter, so still valid)."""
+    xgrammar keeps such a character out of a string when it comes from a negated class, ``.``, a class escape,
+    or a class that also holds other characters (stricter, so still valid), but writes it as it is (not
+    escaped: invalid JSON, or another string) when the pattern names it as a literal, an escape (``\\"``,
+    ``\\\\``, ``\\n``, ``\\x22``, ``\\u005c``) or in a class of nothing but such characters (``[\\n\\t]``,
+    ``[\\x00-\\x08]``)."""
 
     def escaped(i: int) -> tuple[str | None, int]:  # the character an escape at i names (None: a class)
         c = pattern[i + 1]
@@ -607,19 +619,15 @@ def _json_escaped_literal(pattern: str) -> tuple[int, str] | None:
             i = end
         elif c == "[":
             j = i + 1 + pattern.startswith("^", i + 1)
-            members: list[str | None] = []
+            members: list[tuple[str, str] | None] = []  # (first, last) of each character or range; None: \d, ...
             while pattern[j] != "]":
-                if pattern[j] == "\\":
-                    char, j = escaped(j)
-                else:
-                    char, j = pattern[j], j + 1
+                first, j = escaped(j) if pattern[j] == "\\" else (pattern[j], j + 1)
+                last = first
                 if pattern.startswith("-", j) and not pattern.startswith("-]", j):
-                    char, j = None, j + 1  # a range: its end follows
-                    j = escaped(j)[1] if pattern[j] == "\\" else j + 1
-                members.append(char)
-            if not pattern.startswith("^", i + 1) and len(members) == 1 and members[0] is not None \
-                    and _must_escape(members[0]):
-                return i, members[0]
+                    last, j = escaped(j + 1) if pattern[j + 1] == "\\" else (pattern[j + 1], j + 2)
+                members.append(None if first is None or last is None else (first, last))
+            if not pattern.startswith("^", i + 1) and all(m is not None and _all_must_escape(*m) for m in members):
+                return i, members[0][0]
             i = j + 1
         else:
             if _must_escape(c):
