@@ -81,12 +81,17 @@ def test_min_tokens_holds_off_stop_strings(engine):
     assert held[-1].finish_reason == "length" and text(held) == text(outs)
 
 
+def add_sampled_mates(engine, max_tokens: int) -> dict:
+    """Three unseeded sampled requests (``mate0``..``mate2``) as batch mates; returns their sinks."""
+    return {f"mate{i}": engine.add_request([9, i + 1], SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                       ignore_eos=True), request_id=f"mate{i}")
+            for i in range(3)}
+
+
 def test_seeded_sampling_is_reproducible_alone_and_with_batch_mates(engine):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = tokens(run_to_completion(engine, {"s": engine.add_request([4, 5, 6], params, request_id="s")})["s"])
-    sinks = {f"mate{i}": engine.add_request([9, i + 1], SamplingParams(max_tokens=20, temperature=1.0,
-                                                                       ignore_eos=True), request_id=f"mate{i}")
-             for i in range(3)}
+    sinks = add_sampled_mates(engine, max_tokens=20)
     sinks["s"] = engine.add_request([4, 5, 6], params, request_id="s")
     crowded = run_to_completion(engine, sinks)
     assert tokens(crowded["s"]) == alone
@@ -120,9 +125,7 @@ def test_a_top_p_that_is_0_in_fp32_samples_the_top_token_beside_its_batch_mates(
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = tokens(run_to_completion(engine, {"g": engine.add_request([4, 5, 6], greedy, request_id="g")})["g"])
     tiny = SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-300, ignore_eos=True)
-    sinks = {f"mate{i}": engine.add_request([9, i + 1], SamplingParams(max_tokens=12, temperature=1.0,
-                                                                       ignore_eos=True), request_id=f"mate{i}")
-             for i in range(3)}
+    sinks = add_sampled_mates(engine, max_tokens=12)
     sinks["tiny"] = engine.add_request([4, 5, 6], tiny, request_id="tiny")
     results = run_to_completion(engine, sinks)
     assert tokens(results["tiny"]) == want
