@@ -30,6 +30,12 @@ publishes it (``vllm/distributed/kv_events.py``, ``vllm/v1/core/block_pool.py`` 
   llm-d-kv-cache decodes (``pkg/kvevents/engineadapter/vllm_adapter.go`` at commit 7be76e1, 2026-06-12, the
   nearest source to the v0.9.0 the gateway overlay's endpoint picker is built with; its map support came later,
   keeping arrays). Choose the one your router reads; the gateway overlay sets ``array``.
+- **Reload**: Triton loads a model's new instance before it unloads the old one, so a reload through the
+  repository API finds the addresses still bound. A publisher holds a lock file beside each address it binds
+  (``$TMPDIR/llm-kv-events-<hash of the address>.lock``); the new instance, finding an address in use and its lock
+  held, starts without it and binds it as soon as the old instance has closed it (its last batch is
+  ``AllBlocksCleared``), then publishes from sequence 0, as a restarted vLLM does. Batches of the steps before
+  that go to the replay buffer only. An address in use by anything else is refused at start, as before.
 - **Replay** (ROUTER, optional): a DEALER or REQ client sends ``[b"", start sequence (8 bytes)]`` and gets
   every buffered batch from that sequence on, each as ``[b"", topic, sequence, payload]``, then the end
   marker ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32's replay reply, which carries the topic).
@@ -41,9 +47,13 @@ the publisher's own thread.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import logging
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections import deque
@@ -178,6 +188,47 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+REBIND_INTERVAL_S = 0.2  # how often a publisher retries an address its model's previous instance still holds
+
+
+class _AddressLock:
+    """An exclusive ``flock`` on a file named after a bound address, held while a publisher has it bound, so that
+    a new instance of the model (a reload) can tell its predecessor's address from anything else's."""
+
+    def __init__(self, address: str) -> None:
+        digest = hashlib.sha256(address.encode("utf-8")).hexdigest()[:16]
+        self.path = os.path.join(tempfile.gettempdir(), f"llm-kv-events-{digest}.lock")
+        self._fd: int | None = None
+
+    def held_elsewhere(self) -> bool:
+        """Whether another publisher holds the lock (False where the file cannot be opened)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # closing releases a lock this probe took
+        return False
+
+    def acquire(self) -> None:
+        """Takes the lock, waiting while a predecessor that has closed the address still holds it (best effort:
+        where the file cannot be opened, nothing is held)."""
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError:
+            self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class KVEventPublisher:
     """Publishes batches of KV cache events on a ZeroMQ PUB socket from a thread of its own, keeps the last
     ``REPLAY_BUFFER_BATCHES`` encoded batches, and answers replay requests on a ROUTER socket.
@@ -210,11 +261,16 @@ class KVEventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(SEND_HWM)
         self._replay = None
+        self._locks: list[_AddressLock] = []
+        self._pending: list[tuple[zmq.Socket, str]] = []  # addresses the model's previous instance still holds
         try:
-            (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
+            if _binds(endpoint):
+                self._bind(self._pub, endpoint)
+            else:
+                self._pub.connect(endpoint)
             if replay_endpoint:
                 self._replay = self._context.socket(zmq.ROUTER)
-                self._replay.bind(replay_endpoint)
+                self._bind(self._replay, replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets(linger_ms=0)
             raise
@@ -225,6 +281,42 @@ class KVEventPublisher:
         self.encode_seconds = 0.0  # spent converting, encoding and sending on the publisher thread
         self._thread = threading.Thread(target=self._run, name="llm-kv-events", daemon=True)
         self._thread.start()
+
+    def _bind(self, socket: zmq.Socket, address: str) -> None:
+        """Binds ``address`` and holds its lock; where a previous instance of the model (its lock held) still has
+        it, leaves it for the publisher thread to bind once it is free.
+
+        Raises:
+            zmq.ZMQError: the address is in use by anything else, or cannot be bound or parsed.
+        """
+        lock = _AddressLock(address)
+        try:
+            socket.bind(address)
+        except zmq.ZMQError as error:
+            if error.errno != errno.EADDRINUSE or not lock.held_elsewhere():
+                raise
+            log.warning("KV events: %s is still bound by this model's previous instance (a reload); publishing "
+                        "there once it is unloaded", address)
+            self._pending.append((socket, address))
+            return
+        lock.acquire()
+        self._locks.append(lock)
+
+    def _bind_pending(self) -> None:
+        """One try at each address a previous instance held (on the publisher thread, which owns the sockets)."""
+        for socket, address in list(self._pending):
+            try:
+                socket.bind(address)
+            except zmq.ZMQError as error:
+                if error.errno != errno.EADDRINUSE:
+                    log.error("KV events: binding %s failed: %s; no events there", address, error)
+                    self._pending.remove((socket, address))
+                continue
+            lock = _AddressLock(address)
+            lock.acquire()
+            self._locks.append(lock)
+            self._pending.remove((socket, address))
+            log.info("KV events: bound %s after the previous instance released it", address)
 
     def publish(self, events: list[tuple]) -> None:
         """Queues one step's ``BlockPool`` events (nothing when empty); cheap, callable from the engine loop."""
@@ -242,7 +334,11 @@ class KVEventPublisher:
     # -- the publisher thread -----------------------------------------------------------------------
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
+        next_bind = 0.0
         while True:
+            if self._pending and time.monotonic() >= next_bind:
+                self._bind_pending()
+                next_bind = time.monotonic() + REBIND_INTERVAL_S
             if self._replay is not None and self._replay.poll(0):
                 try:
                     self._answer_replay()
@@ -283,3 +379,6 @@ class KVEventPublisher:
         self._pub.close(linger=linger_ms)
         if self._replay is not None:
             self._replay.close(linger=0)
+        for lock in self._locks:  # after the close: a successor that bound meanwhile waits for it (acquire)
+            lock.release()
+        self._locks.clear()

@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         parser.error(f"--tokenizer {args.tokenizer}: no such directory")
-    prompt = apply_chat_template(args.prompt, args.tokenizer) if args.chat else args.prompt
+    try:
+        prompt = apply_chat_template(args.prompt, args.tokenizer) if args.chat else args.prompt
+    except (OSError, ValueError) as exc:  # transformers' words for a directory without a tokenizer
+        parser.error(f"--tokenizer {args.tokenizer}: no tokenizer with a chat template there ({exc})")
     sampling = dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                     top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # leaving the generator cancels the request on the server
         print("\n[cancelled]", file=sys.stderr)
         return 130
-    except LLMError as exc:
+    except (LLMError, ValueError) as exc:  # ValueError: a value the request cannot carry (max_tokens past INT32)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.stats and last is not None:

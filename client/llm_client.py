@@ -23,6 +23,21 @@ SAMPLING_INPUTS = {
 }
 
 
+def _check_sampling(sampling: dict) -> None:
+    """Raises ValueError for an unknown option, or an integer option outside its input's type (INT32, INT64):
+    numpy and Triton's JSON conversion would wrap it silently (2**32 + 5 becomes 5)."""
+    unknown = set(sampling) - set(SAMPLING_INPUTS)
+    if unknown:
+        raise ValueError(f"unknown sampling option(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(SAMPLING_INPUTS)}")
+    for name, value in sampling.items():
+        dtype = SAMPLING_INPUTS[name][1]
+        if value is not None and np.issubdtype(dtype, np.integer):
+            info = np.iinfo(dtype)
+            if not info.min <= value <= info.max:
+                raise ValueError(f"{name} {value} is outside {SAMPLING_INPUTS[name][0]} ({info.min} to {info.max})")
+
+
 class LLMError(RuntimeError):
     """The server rejected or failed a request (the message is the server's)."""
 
@@ -98,20 +113,19 @@ class LLMClient:
         """The request's gRPC inputs (``InferInput``s, usable with ``tritonclient.grpc`` and its ``aio``).
 
         Raises:
-            ValueError: an unknown sampling option.
+            ValueError: an unknown sampling option, or an integer one outside its input's type.
         """
         def tensor(name, array, datatype):
             t = grpcclient.InferInput(name, list(array.shape), datatype)
             t.set_data_from_numpy(array)
             return t
 
+        _check_sampling(sampling)
         inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
                   tensor("stream", np.array([stream]), "BOOL")]
         for name, value in sampling.items():
             if value is None:
                 continue
-            if name not in SAMPLING_INPUTS:
-                raise ValueError(f"unknown sampling option {name!r}; known: {', '.join(SAMPLING_INPUTS)}")
             datatype, dtype = SAMPLING_INPUTS[name]
             inputs.append(tensor(name, np.array([value], dtype=dtype), datatype))
         if stop:
@@ -176,9 +190,7 @@ class LLMClient:
 
     @staticmethod
     def _http_body(prompt: str, stop: list[str] | None, stream: bool, sampling: dict) -> dict:
-        unknown = set(sampling) - set(SAMPLING_INPUTS)
-        if unknown:
-            raise ValueError(f"unknown sampling option(s) {', '.join(sorted(unknown))}")
+        _check_sampling(sampling)
         body = {"text_input": prompt, "stream": stream, **{k: v for k, v in sampling.items() if v is not None}}
         if stop:
             body["stop"] = list(stop)

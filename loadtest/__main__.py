@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,11 +31,12 @@ import requests
 from loadtest.memory import MemorySampler, find_server
 from loadtest.report import format_summary
 from loadtest.server_metrics import idle_gauges, run_deltas, scrape, wait_for_idle
-from loadtest.workload import DEFAULT_WORKLOAD
+from loadtest.workload import DEFAULT_WORKLOAD, load_workload
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 REPO_ROOT = LOCUSTFILE.parent.parent
 CSV_PREFIX = "locust"
+RUN_TIME = re.compile(r"\d+|(?=\d)(\d+h)?(\d+m)?(\d+s)?")  # Locust's time spans: 20, 20s, 3m, 2h, 1h20m
 STATS_FILE = "locust_summary.json"  # written by the locustfile when Locust quits: final, unlike its CSV files
 
 
@@ -65,7 +67,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                       help="drift is measured from the first sample this many seconds into the run")
     soak.add_argument("--max-rss-drift-mib", type=float, default=256.0,
                       help="a process growing more than this after the warm-up fails the soak")
-    return parser.parse_known_args(argv)
+    args, passthrough = parser.parse_known_args(argv)
+    for bad, message in ((args.users < 1, "--users must be at least 1"),
+                         (not args.spawn_rate > 0, "--spawn-rate must be positive"),
+                         (not 0 <= args.cancel_share <= 1, "--cancel-share is a fraction, from 0 to 1"),
+                         (args.max_output_tokens < 0, "--max-output-tokens must be 0 (off) or positive"),
+                         (args.stop_timeout < 0 or args.idle_timeout < 0, "timeouts must not be negative")):
+        if bad:
+            parser.error(message)
+    # Checked here, not by Locust's parser: importing locust monkey-patches this process (gevent).
+    if not RUN_TIME.fullmatch(args.run_time):
+        parser.error(f"--run-time {args.run_time!r}: not a time span (20, 20s, 3m, 2h, 1h20m)")
+    try:
+        load_workload(args.workload)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--workload {args.workload}: {exc}")
+    return args, passthrough
 
 
 def locust_command(args: argparse.Namespace, passthrough: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ Nothing is stored: ``store`` true and ``previous_response_id`` are a 400 (send t
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from openai_frontend.errors import OpenAIError
 from openai_frontend.protocol import ChatCompletionRequest, chat_completion_request
 from openai_frontend.structured import JSON_SCHEMA_FIELDS
-from openai_frontend.tool_calls import unenforced_strict, unenforced_strict_error
+from openai_frontend.tool_calls import check_strict
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # OpenAI's request fields this server does not implement -> the values that ask for nothing (accepted).
@@ -50,6 +51,23 @@ TEXT_PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text"
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> OpenAIError:
     return OpenAIError(400, message, code, param)
+
+
+# The chat request's names in its errors -> this request's (a response is computed as a chat completion).
+_CHAT_NAMES = [(re.compile(r"\bmax_completion_tokens\b|\bmax_tokens\b"), "max_output_tokens"),
+               (re.compile(r"\bresponse_format json_schema\."), "text.format."),
+               (re.compile(r"\bresponse_format\b"), "text.format"),
+               (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]")]
+
+
+def responses_error(error: OpenAIError) -> OpenAIError:
+    """``error`` of the chat request with the fields named as this request names them (``max_output_tokens``,
+    ``text.format``, ``tools[i].name``)."""
+    def rename(text: str | None) -> str | None:
+        for pattern, name in _CHAT_NAMES:
+            text = text if text is None else pattern.sub(name, text)
+        return text
+    return OpenAIError(error.status, rename(error.message), error.code, rename(error.param))
 
 
 class ResponsesRequest(BaseModel):
@@ -122,8 +140,8 @@ class ResponsesRequest(BaseModel):
             if not isinstance(kind, str) or kind not in ITEM_KEYS:
                 raise _bad(f"{where}.type {kind!r} is not supported: send message, function_call or "
                            "function_call_output items", f"{where}.type", "unsupported_parameter")
-            for key in item:
-                if key not in ITEM_KEYS[kind]:
+            for key, value in item.items():  # null extras are the SDK's model_dump() of an output item
+                if key not in ITEM_KEYS[kind] and value is not None:
                     raise _bad(f"{where}.{key} is not supported in a {kind} item", f"{where}.{key}",
                                "unsupported_parameter")
             if kind == "message":
@@ -153,12 +171,10 @@ class ResponsesRequest(BaseModel):
 
     def _tools(self) -> list[dict] | None:
         """Function tools in chat's shape. ``strict`` true is a 400 where the tool choice leaves the arguments to
-        the model (``unenforced_strict``), never a silent promise."""
+        the model (``check_strict``), never a silent promise."""
         if self.tools is None:
             return None
-        strict = unenforced_strict(self.tools, self.tool_choice)
-        if strict is not None:
-            raise unenforced_strict_error(f"tools[{strict}].strict")
+        check_strict(self.tools, self.tool_choice, "tools[{}].strict")
         out = []
         for i, tool in enumerate(self.tools):
             if tool.get("type") != "function":
@@ -302,7 +318,7 @@ class ResponseBuilder:
             return "completed"
         try:
             json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return "incomplete"
         return "completed"
 
@@ -417,7 +433,10 @@ def responses_routes(chat_completions: Callable[[ChatCompletionRequest, Request]
     async def create_response(body: ResponsesRequest, request: Request):
         body.check()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        answer = await chat_completions(body.chat_request(request_id), request)
+        try:
+            answer = await chat_completions(body.chat_request(request_id), request)
+        except OpenAIError as error:
+            raise responses_error(error) from None
         response = ResponseBuilder(body, request_id)
         if isinstance(answer, StreamingResponse):  # the chat route's own: disconnects still cancel the request
             answer.body_iterator = response.events(answer.body_iterator)

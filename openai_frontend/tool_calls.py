@@ -55,19 +55,22 @@ def parameters(function: dict) -> dict:
     return given
 
 
-def unenforced_strict(tools: list[dict], tool_choice) -> int | None:
-    """The index of the first tool with ``strict`` true where ``tool_choice`` (None: ``auto``) leaves the
-    arguments to the model, so nothing would enforce it; None where there is none. Only ``required`` and named
-    choices constrain the reply to the tools' schemas."""
+def check_strict(tools: list[dict], tool_choice, param: str) -> None:
+    """Raises OpenAIError 400 for a tool whose ``strict`` is not a boolean (or null), or is true where
+    ``tool_choice`` (None: ``auto``) leaves the arguments to the model, so nothing would enforce it: only
+    ``required`` and named choices constrain the reply to the tools' schemas. ``param``: the field's name with
+    ``{}`` for the tool's index."""
+    for i, tool in enumerate(tools):
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise OpenAIError(400, f"{param.format(i)} must be a boolean, got {tool['strict']!r:.80}",
+                              "invalid_value", param.format(i))
     if (tool_choice if tool_choice is not None else "auto") != "auto":
-        return None
-    return next((i for i, tool in enumerate(tools) if tool.get("strict")), None)
-
-
-def unenforced_strict_error(param: str) -> OpenAIError:
-    return OpenAIError(400, f"{param} true is only enforced with tool_choice required or a named function; send "
-                       "strict false (arguments as the model writes them) or force the call",
-                       "unsupported_parameter", param)
+        return
+    strict = next((i for i, tool in enumerate(tools) if tool.get("strict")), None)
+    if strict is not None:
+        raise OpenAIError(400, f"{param.format(strict)} true is only enforced with tool_choice required or a named "
+                          "function; send strict false (arguments as the model writes them) or force the call",
+                          "unsupported_parameter", param.format(strict))
 
 
 @dataclass
@@ -115,9 +118,7 @@ class ToolChoice:
                 raise OpenAIError(400, f"tools[{i}].function.parameters: {invalid}", "invalid_value", "tools")
             functions.append(function)
         choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
-        strict = unenforced_strict(functions, choice)
-        if strict is not None:
-            raise unenforced_strict_error(f"tools[{strict}].function.strict")
+        check_strict(functions, choice, "tools[{}].function.strict")
         if isinstance(choice, dict):
             function = choice.get("function")
             name = function.get("name") if isinstance(function, dict) else None
@@ -251,7 +252,7 @@ def _loads_or_text(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # the latter: nested deeper than Python recurses
             return value
     return value
 
@@ -388,7 +389,7 @@ def _parse_calls(text: str) -> list[ToolCall] | None:
     """``{"name", "arguments"}`` or a list of them (JSON) -> calls; None when it is not that."""
     try:
         value = json.loads(text.strip())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -412,7 +413,7 @@ def _complete_calls(text: str) -> list[ToolCall] | None:
             pos += 1
         try:
             item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             break
         parsed = _parse_calls(json.dumps(item))
         if parsed is None:

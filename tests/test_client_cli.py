@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from client.llm_client import LLMClient
 from serve.launch import REPO_ROOT
 from triton_server import free_port
@@ -32,3 +34,24 @@ def test_a_tokenizer_that_is_not_a_directory_is_refused_by_flag():
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert "--tokenizer /nonexistent/tokenizer: no such directory" in run.stderr
+
+
+def test_a_directory_without_a_tokenizer_is_refused_by_flag(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "client", "hi", "--chat", "--tokenizer", str(tmp_path)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"--tokenizer {tmp_path}: no tokenizer" in run.stderr
+
+
+def test_an_integer_past_its_inputs_type_is_refused_not_wrapped():
+    # 2**32 + 5 would reach the server as 5 (numpy's int32 on gRPC, Triton's JSON conversion on HTTP).
+    client = LLMClient(grpc_url="127.0.0.1:1", http_url="127.0.0.1:1")
+    for call in (lambda: client.grpc_inputs("hi", None, True, max_tokens=2 ** 32 + 5),
+                 lambda: client._http_body("hi", None, True, {"max_tokens": 2 ** 32 + 5})):
+        with pytest.raises(ValueError, match=r"max_tokens 4294967301 is outside INT32"):
+            call()
+    client.grpc_inputs("hi", None, True, max_tokens=2 ** 31 - 1, seed=2 ** 40)  # within INT32, INT64
+    run = subprocess.run([sys.executable, "-m", "client", "hi", "--max-tokens", str(2 ** 32 + 5),
+                          "--http-url", "127.0.0.1:1", "--grpc-url", "127.0.0.1:1"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.startswith("error: max_tokens 4294967301 is outside INT32"), run.stderr

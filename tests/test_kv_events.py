@@ -7,6 +7,7 @@ event carries, as a router that keeps its own index does.
 
 from __future__ import annotations
 
+import socket
 import time
 
 import msgspec
@@ -16,7 +17,7 @@ from vllm_kv_schema import (DECODER, AllBlocksCleared, BlockRemoved, BlockStored
                              receive_all, replay)
 
 from backend import EngineConfig, LLMEngine, SamplingParams
-from backend.block_pool import sha256_block_hash
+from backend.block_pool import ALL_BLOCKS_CLEARED, BLOCK_STORED, sha256_block_hash
 from backend.kv_cache_manager import KVCacheManager
 from backend.kv_events import EventBatch, external_block_hash, to_vllm_events
 from backend.request import Request
@@ -226,3 +227,55 @@ def test_array_encoding_is_read_by_position_as_llm_d_reads_it(tiny_model_dir, mo
 def test_bad_kv_events_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_dict(settings)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:  # closed at once (a ZeroMQ socket lets its port go later, on its own thread)
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_reloaded_instance_takes_the_addresses_over_when_the_old_one_closes():
+    # Triton loads a model's new instance before unloading the old one: the new publisher starts while the old one
+    # holds both addresses, binds them once they are closed, and publishes from sequence 0.
+    from backend.kv_events import KVEventPublisher
+
+    port, replay_port = _free_port(), _free_port()
+    old = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{replay_port}", "kv", BLOCK_SIZE)
+    new = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{replay_port}", "kv", BLOCK_SIZE)
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
+    subscriber.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)
+    stored = (BLOCK_STORED, b"\x01" * 32, None, (1, 2, 3, 4), None)
+    old.publish([stored, (ALL_BLOCKS_CLEARED,)])  # as the engine's shutdown sends
+    time.sleep(0.3)
+    assert [DECODER.decode(m[2]).events[-1].__class__ for m in receive_all(subscriber)] == [AllBlocksCleared]
+    old.shutdown()
+    deadline = time.monotonic() + 10
+    while new._pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not new._pending
+    received: list = []  # the subscriber reconnects by itself: what the new instance sends before then is not seen
+    while not received and time.monotonic() < deadline:
+        new.publish([stored])
+        received = receive_all(subscriber, idle_s=0.2)
+    assert received, "nothing from the new instance"
+    replayed = replay(f"tcp://127.0.0.1:{replay_port}", 0)
+    assert [int.from_bytes(m[1], "big") for m in replayed] == list(range(len(replayed)))  # from 0, no gaps
+    assert replayed[-len(received):] == received
+    assert DECODER.decode(received[0][2]).events[0].token_ids == [1, 2, 3, 4]
+    new.shutdown()
+    subscriber.close(linger=0)
+
+
+def test_an_address_in_use_by_anything_else_is_refused():
+    from backend.kv_events import KVEventPublisher
+
+    other = zmq.Context.instance().socket(zmq.PUB)
+    port = other.bind_to_random_port("tcp://*")
+    try:
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            KVEventPublisher(f"tcp://*:{port}", None, "kv", BLOCK_SIZE)
+    finally:
+        other.close(linger=0)

@@ -41,6 +41,20 @@ def test_workload_cap_and_validation(tmp_path):
         load_workload(bad)
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--cancel-share", "2"], "--cancel-share is a fraction"), (["--cancel-share", "-0.5"], "--cancel-share is a"),
+    (["-u", "0"], "--users must be at least 1"), (["-r", "0"], "--spawn-rate must be positive"),
+    (["--max-output-tokens", "-1"], "--max-output-tokens must be 0"), (["-t", "bogus"], "--run-time 'bogus'"),
+    (["--workload", "/nonexistent.jsonl"], "--workload /nonexistent.jsonl"),
+])
+def test_bad_flags_are_refused_before_locust_starts(flags, words, capsys):
+    from loadtest.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
 class FakeStream:
     """Deltas of one token each, 0.1 s apart on a fake clock, the last one finished; records close()."""
 

@@ -162,10 +162,10 @@ def test_input_items_become_chat_messages_and_tools_chat_tools():
     body = ResponsesRequest(model="llm", instructions="Be brief.", tools=[WEATHER], input=[
         {"role": "user", "content": [{"type": "input_text", "text": "Weather?"},
                                      {"type": "input_text", "text": "In Oslo."}]},
-        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "phase": None,
          "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
-        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
-         "arguments": '{"city": "Oslo"}', "status": "completed"},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",  # null extras: the
+         "arguments": '{"city": "Oslo"}', "status": "completed", "namespace": None},  # SDK's model_dump()
         {"type": "function_call_output", "call_id": "call_1", "output": "5 C"}])
     body.check()
     chat = body.chat_request("abc")
@@ -199,6 +199,11 @@ def test_input_items_become_chat_messages_and_tools_chat_tools():
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "not supported"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user, system, developer or assistant"),
     ({"input": []}, "input", "must not be empty"),
+    ({"tools": [{**WEATHER, "strict": "false"}]}, "tools[0].strict", "must be a boolean"),
+    ({"tools": [{**WEATHER, "name": "get weather"}]}, "tools", "tools[0].name must be"),
+    ({"max_output_tokens": 2 ** 31}, "max_output_tokens", "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "a person", "schema": {"type": "object"}}}}, "text.format",
+     "text.format.name"),
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "", "arguments": "{}"}]}, "input[0].name",
      "non-empty string"),
 ])

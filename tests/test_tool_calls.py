@@ -236,6 +236,34 @@ def test_assistant_tool_calls_in_vllms_lenient_forms_render(scripted):
                                       '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
 
 
+def test_arguments_nested_past_pythons_recursion_limit_are_text_not_a_500(scripted):
+    """JSON deeper than Python's parser recurses (a 1 KB body) stays text: as sent in a history, and as a model
+    writes it under ``auto``."""
+    SCRIPT.update(pieces=["ok"], finish="stop")
+    deep = "[" * 5000
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    for route in ("/v1/chat/completions", "/v1/chat/completions/render"):
+        reply = scripted.post(route, json={"model": "llm", "messages": messages})
+        assert reply.status_code == 200, reply.text
+    assert deep in messages_for_plain_template(messages, [])[1]["content"].replace("\\", "")
+    SCRIPT.update(pieces=["<tool_call>\n", '{"name": "get_weather", "arguments": ' + deep, "\n</tool_call>"],
+                  finish="stop")
+    reply = scripted.post("/v1/chat/completions", json={"model": "llm", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and deep in message["content"]  # not a call: text
+
+
+def test_strict_must_be_a_boolean():
+    with pytest.raises(OpenAIError, match=r"tools\[0\]\.function\.strict must be a boolean, got 'false'"):
+        ToolChoice.from_request([{"type": "function", "function": {**WEATHER["function"], "strict": "false"}}], "auto")
+    assert ToolChoice.from_request([{"type": "function", "function": {**WEATHER["function"], "strict": False}}],
+                                   "auto").mode == "auto"
+
+
 def test_histories_clients_send_back_are_taken(scripted):
     """An empty ``tool_calls`` on any message (some clients send one on each) and a reply the openai SDK
     serialized with ``model_dump()`` (it carries ``annotations``, ``refusal``, ``audio``)."""
