@@ -8,7 +8,8 @@
   without AMX), the weights streamed from a tile layout.
 - ``int8_gemm``: weight-only int8 GEMMs (W8A16: int8 weights per output channel with an fp32 scale, fp32 or bf16
   activations) in small_gemm's register blocking, half the weight bytes of bf16 per step; with AVX512-VNNI also
-  W8A8 (the activations rounded to int8 per group of 64 k at run time, integer dot products).
+  W8A8 (the activations rounded to int8 per group of 64 k at run time, integer dot products; on AMX-INT8 tiles
+  from 12 rows).
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
 - ``argmax_rows``: greedy picks read in the logits' dtype (no fp32 copy of bf16 or fp16 logits).
 - ``greedy_head``: greedy picks from an fp32 LM head through a bf16 pass with a proven error bound, the exact fp32

@@ -18,6 +18,11 @@
 #else
 #define LLM_HAVE_AMX 0
 #endif
+#if LLM_HAVE_AMX && defined(__AMX_INT8__)
+#define LLM_HAVE_AMX_INT8 1
+#else
+#define LLM_HAVE_AMX_INT8 0
+#endif
 
 namespace llm_cpu {
 

@@ -371,6 +371,73 @@ inline void w8a8_block(const int8_t* q, const float* xs, const int32_t* starts, 
 }
 #endif
 
+#if LLM_HAVE_AMX_INT8 && LLM_HAVE_AVX512_VNNI
+// W8A8 calls of at least this many rows run on AMX-INT8 tiles: below it the vector kernel's time is the weights'
+// stream, which tiles do not shorten, and rearranging the weights for them adds to it (on the 1.7B shape's layer
+// GEMMs, 2 threads of a Xeon with AMX: tiles 1.35x the vector kernel's time at 1 row, 1.03x at 8, 0.86x at 12,
+// 0.66x at 32, 0.44x at 256).
+constexpr int64_t W8A8_AMX_MIN_ROWS = 12;
+constexpr int64_t W8A8_AMX_ROWS = 32;  // rows per pass: two A tiles of 16 rows
+
+// nbs (<= 4) consecutive blocks (block j at w + j * stride, K / 4 quads of 64 bytes as int8_gemm_pack lays them)
+// rearranged into tdpbssd's B tiles at b: block j's quad p at b + j * 16 K + 64 p with 32-bit lane n holding output
+// n's 4 consecutive k (QUAD_WORDS), so one group of W8A8_GROUP k of a block is one 16 x 64-byte tile (1 KiB).
+inline void amx_b_tiles(const int8_t* w, int64_t K, int64_t stride, int64_t nbs, int8_t* b) {
+  const __m512i interleave = _mm512_load_si512(QUAD_WORDS);
+  for (int64_t j = 0; j < nbs; ++j)
+    for (int64_t p = 0; p < K / 4; ++p)
+      _mm512_store_si512(b + j * 16 * K + 64 * p,
+                         _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(w + j * stride + 64 * p)));
+}
+
+// Up to W8A8_AMX_ROWS int8 rows q (K apart; the A tiles read 32 rows, so rows past `rows` must be readable; group
+// scales xs, K / W8A8_GROUP per row) against nbs blocks of B tiles at b (amx_b_tiles): c[m * 64 + 16 * j + n] =
+// sum_g xs[m][g] * sum_{k in g} q[m][k] q_j[n][k], m < rows, before the weights' scales. A group's sums are tdpbssd's
+// (signed bytes on both sides: no offset to take off), exact in int32 as w8a8_block's are, and go through the same
+// fp32 conversion and multiply-add in the same group order: the same bits as w8a8_block, whatever the rows.
+// Tiles: C 0-3 (2 row tiles x 2 blocks), A 4-5, B 6-7; the caller has loaded a configuration of 16 x 64-byte tiles.
+inline void w8a8_pass_amx(const int8_t* q, const float* xs, int64_t K, const int8_t* b, int64_t nbs, int64_t rows,
+                          float* c) {
+  const int64_t groups = K / W8A8_GROUP;
+  alignas(64) int32_t sums[4][16 * 16];  // C tile 2 i + j: row tile i, block j0 + j
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < nbs; ++j) _mm512_store_ps(c + m * 64 + 16 * j, _mm512_setzero_ps());
+  const bool two_row_tiles = rows > 16;
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(4, q + g * W8A8_GROUP, K);
+    if (two_row_tiles) _tile_loadd(5, q + 16 * K + g * W8A8_GROUP, K);
+    for (int64_t j0 = 0; j0 < nbs; j0 += 2) {
+      const bool two_blocks = j0 + 1 < nbs;
+      _tile_loadd(6, b + j0 * 16 * K + g * 1024, 64);
+      _tile_zero(0);
+      _tile_dpbssd(0, 4, 6);
+      if (two_row_tiles) { _tile_zero(2); _tile_dpbssd(2, 5, 6); }
+      if (two_blocks) {
+        _tile_loadd(7, b + (j0 + 1) * 16 * K + g * 1024, 64);
+        _tile_zero(1);
+        _tile_dpbssd(1, 4, 7);
+        if (two_row_tiles) { _tile_zero(3); _tile_dpbssd(3, 5, 7); }
+      }
+      _tile_stored(0, sums[0], 64);
+      if (two_blocks) _tile_stored(1, sums[1], 64);
+      if (two_row_tiles) {
+        _tile_stored(2, sums[2], 64);
+        if (two_blocks) _tile_stored(3, sums[3], 64);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 scale = _mm512_set1_ps(xs[m * groups + g]);
+        const int32_t* tile_row = sums[2 * (m / 16)] + 16 * (m % 16);
+        for (int64_t j = 0; j < (two_blocks ? 2 : 1); ++j) {
+          float* cj = c + m * 64 + 16 * (j0 + j);
+          const __m512i s = _mm512_load_si512(tile_row + 256 * j);
+          _mm512_store_ps(cj, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, _mm512_load_ps(cj)));
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 }  // namespace llm_cpu
 
@@ -499,9 +566,17 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   std::vector<float> x_scales(M);
   quantize_rows_i16(x.data_ptr<float>(), M, K, xq.data(), x_scales.data());
 #endif
+#if LLM_HAVE_AMX_INT8 && LLM_HAVE_AVX512_VNNI
+  const bool amx = int8_activations && M >= W8A8_AMX_MIN_ROWS && amx_usable();
+  // The A tiles read whole 16-row tiles: the rows past M are zeros.
+  const int64_t padded_rows = amx ? (M + W8A8_AMX_ROWS - 1) / W8A8_AMX_ROWS * W8A8_AMX_ROWS : M;
+#else
+  constexpr bool amx = false;
+  const int64_t padded_rows = M;
+#endif
 #if LLM_HAVE_AVX512_VNNI
   // W8A8: the rows rounded to int8 once per call, a scale per group of W8A8_GROUP k.
-  std::vector<int8_t> xq8(int8_activations ? M * K : 0);
+  std::vector<int8_t> xq8(int8_activations ? padded_rows * K : 0);
   std::vector<float> x_group_scales(int8_activations ? M * K / W8A8_GROUP : 0);
   std::vector<int32_t> x_group_starts(int8_activations ? M * K / W8A8_GROUP : 0);
   if (int8_activations) {
@@ -513,7 +588,18 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
-    alignas(64) float c[12 * 64];
+    alignas(64) float c[32 * 64];
+#if LLM_HAVE_AMX_INT8 && LLM_HAVE_AVX512_VNNI
+    std::vector<int8_t> b_tiles;  // the group's weights as B tiles (amx_b_tiles), 64-byte aligned
+    int8_t* b = nullptr;
+    if (amx) {
+      b_tiles.resize(4 * 16 * K + 64);
+      b = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(b_tiles.data()) + 63) & ~uintptr_t{63});
+      TileConfig config;
+      for (int t = 0; t < 8; ++t) { config.rows[t] = 16; config.colsb[t] = 64; }
+      _tile_loadconfig(&config);
+    }
+#endif
 #if LLM_HAVE_AVX512_BF16
     std::vector<__m512bh> staged;  // the group's widened weights, STAGED_PAIRS k pairs of each block
     std::vector<__m512> sums;  // every row's scaled sums for the group, [M][64] fp32 (64-byte aligned rows)
@@ -522,9 +608,9 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
       sums.resize(M * 4);
     }
 #endif
-    // Rows per pass over a group: 8 for W8A8 (2 blocks at a time), 12 for bf16 (2 blocks), 6 for fp32 (4 blocks;
-    // 2 x 2 accumulators).
-    const int64_t step = int8_activations ? 8 : bf16_x ? 12 : 6;
+    // Rows per pass over a group: 32 on AMX tiles, 8 for W8A8 on vectors (2 blocks at a time), 12 for bf16 (2
+    // blocks), 6 for fp32 (4 blocks; 2 x 2 accumulators).
+    const int64_t step = amx ? W8A8_AMX_ROWS : int8_activations ? 8 : bf16_x ? 12 : 6;
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
       const int8_t* w = ws + nb0 * stride;
@@ -537,7 +623,19 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         const char* pf = pf_total ? pf_base + 64 * (pass * pf_total / passes) : nullptr;
         const int64_t pf_lines = pf_total ? (pass + 1) * pf_total / passes - pass * pf_total / passes : 0;
         const float* sum = c;  // the pass's rows' scaled sums, 64 apart
-        if (int8_activations) {
+        if (amx) {
+#if LLM_HAVE_AMX_INT8 && LLM_HAVE_AVX512_VNNI
+          if (m0 == 0) amx_b_tiles(w, K, stride, nbs, b);
+          w8a8_pass_amx(xq8.data() + m0 * K, x_group_scales.data() + m0 * (K / W8A8_GROUP), K, b, nbs, rows, c);
+          for (int64_t j = 0; j < nbs; ++j) {
+            const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+            for (int64_t m = 0; m < rows; ++m) {
+              float* cj = c + m * 64 + 16 * j;
+              _mm512_store_ps(cj, _mm512_mul_ps(_mm512_load_ps(cj), scale));
+            }
+          }
+#endif
+        } else if (int8_activations) {
 #if LLM_HAVE_AVX512_VNNI
           const int8_t* xr = xq8.data() + m0 * K;
           const float* sr = x_group_scales.data() + m0 * (K / W8A8_GROUP);
@@ -613,6 +711,9 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
         }
       }
     }
+#if LLM_HAVE_AMX_INT8 && LLM_HAVE_AVX512_VNNI
+    if (amx) _tile_release();
+#endif
   }
 #endif
 }
