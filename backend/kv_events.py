@@ -31,11 +31,13 @@ publishes it (``vllm/distributed/kv_events.py``, ``vllm/v1/core/block_pool.py`` 
   nearest source to the v0.9.0 the gateway overlay's endpoint picker is built with; its map support came later,
   keeping arrays). Choose the one your router reads; the gateway overlay sets ``array``.
 - **Reload**: Triton loads a model's new instance before it unloads the old one, so a reload through the
-  repository API finds the addresses still bound. A publisher holds a lock file beside each address it binds
-  (``$TMPDIR/llm-kv-events-<hash of the address>.lock``); the new instance, finding an address in use and its lock
-  held, starts without it and binds it as soon as the old instance has closed it (its last batch is
-  ``AllBlocksCleared``), then publishes from sequence 0, as a restarted vLLM does. Batches of the steps before
-  that go to the replay buffer only. An address in use by anything else is refused at start, as before.
+  repository API finds the addresses still bound. A publisher holds a lock file for each TCP address with a fixed
+  port that it binds (``$TMPDIR/llm-kv-events-<hash of the address>.lock``); the new instance, finding such an
+  address in use and its lock held, starts without it and binds it as soon as the old instance has closed it (its
+  last batch is ``AllBlocksCleared``). Its batches are numbered from 0, as a restarted vLLM's are; those of the
+  steps before it bound go to its replay buffer only. An address in use by anything else is refused at start, as
+  before; one that another publisher of this server keeps (two models or instances given the same address) is
+  logged as an error after ``PENDING_ERROR_S`` and retried until it frees.
 - **Replay** (ROUTER, optional): a DEALER or REQ client sends ``[b"", start sequence (8 bytes)]`` and gets
   every buffered batch from that sequence on, each as ``[b"", topic, sequence, payload]``, then the end
   marker ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32's replay reply, which carries the topic).
@@ -53,6 +55,7 @@ import hashlib
 import logging
 import os
 import queue
+import re
 import tempfile
 import threading
 import time
@@ -189,19 +192,31 @@ def _binds(endpoint: str) -> bool:
 
 
 REBIND_INTERVAL_S = 0.2  # how often a publisher retries an address its model's previous instance still holds
+PENDING_ERROR_S = 120.0  # an address still held this long after start is logged as an error (not a reload)
+LOCK_WAIT_S = 5.0  # how long a publisher that has bound an address waits for its predecessor to let the lock go
+_FIXED_TCP_PORT = re.compile(r"tcp://.+:[1-9]\d*")  # tcp://*:5557; not :0 or :* (a port of the system's choosing)
 
 
 class _AddressLock:
-    """An exclusive ``flock`` on a file named after a bound address, held while a publisher has it bound, so that
-    a new instance of the model (a reload) can tell its predecessor's address from anything else's."""
+    """An exclusive ``flock`` on a file named after a bound TCP address with a fixed port, held while a publisher
+    has it bound, so that a new instance of the model (a reload) can tell its predecessor's address from anything
+    else's. Best effort: where no temporary directory can be written, nothing is held and a bound address is
+    refused as before."""
 
     def __init__(self, address: str) -> None:
-        digest = hashlib.sha256(address.encode("utf-8")).hexdigest()[:16]
-        self.path = os.path.join(tempfile.gettempdir(), f"llm-kv-events-{digest}.lock")
+        self.path: str | None = None
+        if _FIXED_TCP_PORT.fullmatch(address):
+            digest = hashlib.sha256(address.encode("utf-8")).hexdigest()[:16]
+            try:
+                self.path = os.path.join(tempfile.gettempdir(), f"llm-kv-events-{digest}.lock")
+            except OSError:  # no writable temporary directory
+                pass
         self._fd: int | None = None
 
     def held_elsewhere(self) -> bool:
-        """Whether another publisher holds the lock (False where the file cannot be opened)."""
+        """Whether another publisher holds the lock."""
+        if self.path is None:
+            return False
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
@@ -215,13 +230,26 @@ class _AddressLock:
         return False
 
     def acquire(self) -> None:
-        """Takes the lock, waiting while a predecessor that has closed the address still holds it (best effort:
-        where the file cannot be opened, nothing is held)."""
+        """Takes the lock, waiting up to ``LOCK_WAIT_S`` for a predecessor that has closed the address (the bind
+        succeeded) to let it go; past that, or where the file cannot be opened, nothing is held."""
+        if self.path is None:
+            return
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
         except OSError:
-            self.release()
+            return
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    log.warning("KV events: the lock %s stayed held; a reload will not hand this address over",
+                                self.path)
+                    self.release()
+                    return
+                time.sleep(0.05)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -263,6 +291,8 @@ class KVEventPublisher:
         self._replay = None
         self._locks: list[_AddressLock] = []
         self._pending: list[tuple[zmq.Socket, str]] = []  # addresses the model's previous instance still holds
+        self._pending_since = 0.0
+        self._pending_error_logged = False
         try:
             if _binds(endpoint):
                 self._bind(self._pub, endpoint)
@@ -298,12 +328,18 @@ class KVEventPublisher:
             log.warning("KV events: %s is still bound by this model's previous instance (a reload); publishing "
                         "there once it is unloaded", address)
             self._pending.append((socket, address))
+            self._pending_since = time.monotonic()
             return
         lock.acquire()
         self._locks.append(lock)
 
     def _bind_pending(self) -> None:
         """One try at each address a previous instance held (on the publisher thread, which owns the sockets)."""
+        if not self._pending_error_logged and time.monotonic() - self._pending_since > PENDING_ERROR_S:
+            self._pending_error_logged = True
+            log.error("KV events: %s still bound by another publisher of this server after %.0f s: not a reload's "
+                      "hand-over (two models or instances given the same address?); no events are published there "
+                      "until it frees", ", ".join(a for _, a in self._pending), PENDING_ERROR_S)
         for socket, address in list(self._pending):
             try:
                 socket.bind(address)

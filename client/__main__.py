@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompt = apply_chat_template(args.prompt, args.tokenizer) if args.chat else args.prompt
     except (OSError, ValueError) as exc:  # transformers' words for a directory without a tokenizer
-        parser.error(f"--tokenizer {args.tokenizer}: no tokenizer with a chat template there ({exc})")
+        where = f"--tokenizer {args.tokenizer}" if args.tokenizer else "the default model's tokenizer"
+        parser.error(f"{where}: no tokenizer with a chat template there ({exc})")
     sampling = dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                     top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,

@@ -53,19 +53,21 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> OpenAIError:
     return OpenAIError(400, message, code, param)
 
 
-# The chat request's names in its errors -> this request's (a response is computed as a chat completion).
-_CHAT_NAMES = [(re.compile(r"\bmax_completion_tokens\b|\bmax_tokens\b"), "max_output_tokens"),
-               (re.compile(r"\bresponse_format json_schema\."), "text.format."),
-               (re.compile(r"\bresponse_format\b"), "text.format"),
-               (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]")]
+# The chat request's field names that begin its error messages -> this request's (a response is computed as a chat
+# completion); only a message's leading name and the param are renamed, never what a message quotes.
+_CHAT_NAMES = [(re.compile(r"(max_completion_tokens|max_tokens)\b"), "max_output_tokens"),
+               (re.compile(r"response_format json_schema\."), "text.format."),
+               (re.compile(r"response_format\b"), "text.format"),
+               (re.compile(r"tools\[(\d+)\]\.function\b"), r"tools[\1]")]
 
 
 def responses_error(error: OpenAIError) -> OpenAIError:
-    """``error`` of the chat request with the fields named as this request names them (``max_output_tokens``,
+    """``error`` of the chat request with the field it names as this request names it (``max_output_tokens``,
     ``text.format``, ``tools[i].name``)."""
     def rename(text: str | None) -> str | None:
         for pattern, name in _CHAT_NAMES:
-            text = text if text is None else pattern.sub(name, text)
+            if text is not None and pattern.match(text):
+                return pattern.sub(name, text, count=1)
         return text
     return OpenAIError(error.status, rename(error.message), error.code, rename(error.param))
 

@@ -270,7 +270,13 @@ def test_a_reloaded_instance_takes_the_addresses_over_when_the_old_one_closes():
 
 
 def test_an_address_in_use_by_anything_else_is_refused():
-    from backend.kv_events import KVEventPublisher
+    from backend.kv_events import KVEventPublisher, _AddressLock
+
+    # Only a TCP address with a fixed port is handed over: a port of the system's choosing is never the same twice,
+    # and an ipc or inproc bind takes an address over without an error.
+    assert [_AddressLock(a).path is not None for a in ("tcp://*:5557", "tcp://127.0.0.1:5558", "tcp://*:0",
+                                                       "tcp://*:*", "ipc:///tmp/kv", "inproc://kv")] == [
+        True, True, False, False, False, False]
 
     other = zmq.Context.instance().socket(zmq.PUB)
     port = other.bind_to_random_port("tcp://*")

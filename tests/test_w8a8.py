@@ -74,7 +74,7 @@ def test_w8a8_gemm_is_within_half_a_step_per_activation_of_the_exact_product():
 def test_w8a8_gemm_rows_do_not_depend_on_the_batch(dtype, n, m):
     # Each row is rounded with its own group scales and each output's groups are added in one order whatever the
     # rows per pass: a request's greedy tokens do not depend on what it is batched with. Where the CPU has AMX-INT8
-    # a call of 16 rows or more runs on tiles and a single row on vectors: the same bits.
+    # a call of 12 rows or more runs on tiles and a single row on vectors: the same bits.
     torch.manual_seed(n + m)
     packed = kernels.cpu.int8_gemm_pack(torch.randn(n, 1088) * 0.05)
     bias = torch.randn(n).to(dtype)
