@@ -314,6 +314,18 @@ inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, floa
   });
 }
 
+// c[m * 64 + 16 * j + n] *= scale_j[n] for m < rows, j < nbs: the sums of W8A8's groups times the weights' scales
+// (the 16 fp32 after block j's K * 16 bytes).
+inline void scale_by_weights(const int8_t* w, int64_t stride, int64_t K, int64_t nbs, int64_t rows, float* c) {
+  for (int64_t j = 0; j < nbs; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
+    for (int64_t m = 0; m < rows; ++m) {
+      float* cj = c + m * 64 + 16 * j;
+      _mm512_store_ps(cj, _mm512_mul_ps(_mm512_load_ps(cj), scale));
+    }
+  }
+}
+
 // Word i of a k quad's 64 bytes (k pair 2p's 32, then 2p + 1's) that word i of the interleaved vector takes, so that
 // 32-bit lane n holds output n's 4 consecutive k, as vpdpbusd multiplies them.
 alignas(64) constexpr int16_t QUAD_WORDS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
@@ -361,13 +373,7 @@ inline void w8a8_block(const int8_t* q, const float* xs, const int32_t* starts, 
       }
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
-    for (int m = 0; m < MB; ++m) {
-      float* cj = c + m * 64 + 16 * j;
-      _mm512_store_ps(cj, _mm512_mul_ps(_mm512_load_ps(cj), scale));
-    }
-  }
+  scale_by_weights(w, stride, K, NB, MB, c);
 }
 #endif
 
@@ -627,13 +633,7 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
 #if LLM_HAVE_AMX_INT8 && LLM_HAVE_AVX512_VNNI
           if (m0 == 0) amx_b_tiles(w, K, stride, nbs, b);
           w8a8_pass_amx(xq8.data() + m0 * K, x_group_scales.data() + m0 * (K / W8A8_GROUP), K, b, nbs, rows, c);
-          for (int64_t j = 0; j < nbs; ++j) {
-            const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + j * stride + 16 * K));
-            for (int64_t m = 0; m < rows; ++m) {
-              float* cj = c + m * 64 + 16 * j;
-              _mm512_store_ps(cj, _mm512_mul_ps(_mm512_load_ps(cj), scale));
-            }
-          }
+          scale_by_weights(w, stride, K, nbs, rows, c);
 #endif
         } else if (int8_activations) {
 #if LLM_HAVE_AVX512_VNNI
