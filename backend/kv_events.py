@@ -290,7 +290,7 @@ class KVEventPublisher:
         self._pub.set_hwm(SEND_HWM)
         self._replay = None
         self._locks: list[_AddressLock] = []
-        self._pending: list[tuple[zmq.Socket, str]] = []  # addresses the model's previous instance still holds
+        self._pending: list[tuple[zmq.Socket, str, _AddressLock]] = []  # addresses a previous instance holds
         self._pending_since = 0.0
         self._pending_error_logged = False
         try:
@@ -327,7 +327,7 @@ class KVEventPublisher:
                 raise
             log.warning("KV events: %s is still bound by this model's previous instance (a reload); publishing "
                         "there once it is unloaded", address)
-            self._pending.append((socket, address))
+            self._pending.append((socket, address, lock))
             self._pending_since = time.monotonic()
             return
         lock.acquire()
@@ -339,19 +339,19 @@ class KVEventPublisher:
             self._pending_error_logged = True
             log.error("KV events: %s still bound by another publisher of this server after %.0f s: not a reload's "
                       "hand-over (two models or instances given the same address?); no events are published there "
-                      "until it frees", ", ".join(a for _, a in self._pending), PENDING_ERROR_S)
-        for socket, address in list(self._pending):
+                      "until it frees", ", ".join(a for _, a, _ in self._pending), PENDING_ERROR_S)
+        for entry in list(self._pending):
+            socket, address, lock = entry
             try:
                 socket.bind(address)
             except zmq.ZMQError as error:
                 if error.errno != errno.EADDRINUSE:
                     log.error("KV events: binding %s failed: %s; no events there", address, error)
-                    self._pending.remove((socket, address))
+                    self._pending.remove(entry)
                 continue
-            lock = _AddressLock(address)
             lock.acquire()
             self._locks.append(lock)
-            self._pending.remove((socket, address))
+            self._pending.remove(entry)
             log.info("KV events: bound %s after the previous instance released it", address)
 
     def publish(self, events: list[tuple]) -> None:

@@ -22,17 +22,27 @@ SAMPLING_INPUTS = {
     "n": ("INT32", np.int32), "priority": ("INT32", np.int32), "timeout_ms": ("INT32", np.int32),
 }
 
+# What each kind of input takes: numpy would parse a string ("5") and truncate a float given for an integer.
+_KINDS = {"BOOL": ("a boolean", (bool, np.bool_)), "FP32": ("a number", (int, float, np.integer, np.floating)),
+          "INT": ("an integer", (int, np.integer))}
+
 
 def _check_sampling(sampling: dict) -> None:
-    """Raises ValueError for an unknown option, or an integer option outside its input's type (INT32, INT64):
-    numpy and Triton's JSON conversion would wrap it silently (2**32 + 5 becomes 5)."""
+    """Raises ValueError for an unknown option, a value not of its input's kind (``_KINDS``), or an integer
+    option outside its input's type (INT32, INT64): numpy and Triton's JSON conversion would wrap it silently
+    (2**32 + 5 becomes 5)."""
     unknown = set(sampling) - set(SAMPLING_INPUTS)
     if unknown:
         raise ValueError(f"unknown sampling option(s) {', '.join(sorted(unknown))}; "
                          f"known: {', '.join(SAMPLING_INPUTS)}")
     for name, value in sampling.items():
-        dtype = SAMPLING_INPUTS[name][1]
-        if value is not None and np.issubdtype(dtype, np.integer):
+        datatype, dtype = SAMPLING_INPUTS[name]
+        if value is None:
+            continue
+        kind, types = _KINDS.get(datatype, _KINDS["INT"])
+        if not isinstance(value, types) or (datatype != "BOOL" and isinstance(value, (bool, np.bool_))):
+            raise ValueError(f"{name} must be {kind} ({datatype}), got {value!r}")
+        if np.issubdtype(dtype, np.integer):
             info = np.iinfo(dtype)
             if not info.min <= value <= info.max:
                 raise ValueError(f"{name} {value} is outside {SAMPLING_INPUTS[name][0]} ({info.min} to {info.max})")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -72,7 +73,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                          (not args.spawn_rate > 0, "--spawn-rate must be positive"),
                          (not 0 <= args.cancel_share <= 1, "--cancel-share is a fraction, from 0 to 1"),
                          (args.max_output_tokens < 0, "--max-output-tokens must be 0 (off) or positive"),
-                         (args.stop_timeout < 0 or args.idle_timeout < 0, "timeouts must not be negative")):
+                         (args.stop_timeout < 0 or not 0 <= args.idle_timeout < math.inf,
+                          "timeouts must be finite and not negative"),
+                         (not 0 < args.memory_interval < math.inf, "--memory-interval must be positive"),
+                         (not 0 <= args.memory_warmup < math.inf, "--memory-warmup must be finite and not negative"),
+                         (not 0 <= args.max_rss_drift_mib < math.inf,
+                          "--max-rss-drift-mib must be finite and not negative")):
         if bad:
             parser.error(message)
     # Checked here, not by Locust's parser: importing locust monkey-patches this process (gevent).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from client.llm_client import LLMClient
@@ -55,3 +56,19 @@ def test_an_integer_past_its_inputs_type_is_refused_not_wrapped():
                           "--http-url", "127.0.0.1:1", "--grpc-url", "127.0.0.1:1"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.startswith("error: max_tokens 4294967301 is outside INT32"), run.stderr
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_tokens", "5", r"max_tokens must be an integer \(INT32\), got '5'"),
+    ("max_tokens", 2.5, r"max_tokens must be an integer \(INT32\), got 2.5"),
+    ("seed", True, r"seed must be an integer \(INT64\), got True"),
+    ("temperature", "0.5", r"temperature must be a number \(FP32\), got '0.5'"),
+    ("ignore_eos", 1, r"ignore_eos must be a boolean \(BOOL\), got 1"),
+])
+def test_an_option_of_the_wrong_kind_is_refused_by_name(option, value, message):
+    # numpy would have parsed "5" and truncated 2.5 on gRPC; now each is a ValueError before any request.
+    client = LLMClient(grpc_url="127.0.0.1:1", http_url="127.0.0.1:1")
+    with pytest.raises(ValueError, match=message):
+        client.grpc_inputs("hi", None, True, **{option: value})
+    client.grpc_inputs("hi", None, True, temperature=1, top_p=np.float32(0.5), ignore_eos=np.bool_(True),
+                       max_tokens=np.int64(4))

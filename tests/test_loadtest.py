@@ -46,6 +46,10 @@ def test_workload_cap_and_validation(tmp_path):
     (["-u", "0"], "--users must be at least 1"), (["-r", "0"], "--spawn-rate must be positive"),
     (["--max-output-tokens", "-1"], "--max-output-tokens must be 0"), (["-t", "bogus"], "--run-time 'bogus'"),
     (["--workload", "/nonexistent.jsonl"], "--workload /nonexistent.jsonl"),
+    (["--idle-timeout", "nan"], "timeouts must be finite"), (["--idle-timeout", "inf"], "timeouts must be finite"),
+    (["--memory-interval", "0"], "--memory-interval must be positive"),
+    (["--memory-interval", "nan"], "--memory-interval must be positive"),
+    (["--max-rss-drift-mib", "nan"], "--max-rss-drift-mib must be finite"),
 ])
 def test_bad_flags_are_refused_before_locust_starts(flags, words, capsys):
     from loadtest.__main__ import parse_args

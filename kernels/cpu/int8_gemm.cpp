@@ -288,7 +288,8 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 // round(x[m][k] * (127 / a)) (ties to even, |q| <= 127), scales[m][g] = a / 127 (1 for an all-zero group), a = max |x|
 // over the group (NaN where the group holds a NaN, so that the results are NaN as x's float product would be);
 // scales [M, K / W8A8_GROUP]. starts[m][g] = -128 * sum_{k in g} q[m][k]: the group's sum in w8a8_block starts there,
-// which takes off what the weights' offset of 128 adds.
+// which takes off what the weights' offset of 128 adds (only the vector kernel's: starts is null for the AMX tiles,
+// whose tdpbssd multiplies signed bytes).
 template <typename T>
 inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, float* scales, int32_t* starts) {
   at::parallel_for(0, M * K / W8A8_GROUP, 16, [&](int64_t begin, int64_t end) {
@@ -309,7 +310,7 @@ inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, floa
         q[i * W8A8_GROUP + k] = static_cast<int8_t>(r);
         sum += r;
       }
-      starts[i] = -128 * sum;
+      if (starts != nullptr) starts[i] = -128 * sum;
     }
   });
 }
@@ -584,11 +585,12 @@ void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
   // W8A8: the rows rounded to int8 once per call, a scale per group of W8A8_GROUP k.
   std::vector<int8_t> xq8(int8_activations ? padded_rows * K : 0);
   std::vector<float> x_group_scales(int8_activations ? M * K / W8A8_GROUP : 0);
-  std::vector<int32_t> x_group_starts(int8_activations ? M * K / W8A8_GROUP : 0);
+  std::vector<int32_t> x_group_starts(int8_activations && !amx ? M * K / W8A8_GROUP : 0);
+  int32_t* group_starts = amx ? nullptr : x_group_starts.data();
   if (int8_activations) {
     if (bf16_x) quantize_groups_s8(reinterpret_cast<const bf16*>(x.data_ptr()), M, K, xq8.data(), x_group_scales.data(),
-                                   x_group_starts.data());
-    else quantize_groups_s8(x.data_ptr<float>(), M, K, xq8.data(), x_group_scales.data(), x_group_starts.data());
+                                   group_starts);
+    else quantize_groups_s8(x.data_ptr<float>(), M, K, xq8.data(), x_group_scales.data(), group_starts);
   }
 #endif
   std::atomic<int64_t> taken{0};
