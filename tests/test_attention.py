@@ -182,3 +182,46 @@ def test_cpu_prefill_kernel_declines_shapes_it_does_not_cover():
         assert not kernels.cpu.paged_prefill_attention(q, key_cache.to(dtype), value_cache.to(dtype), tables,
                                                        torch.tensor([0, 5, 14]), lens, 0.3, out=out)
         assert not out.any()
+
+
+def _bad_decode_inputs():
+    q, k, v, tables, lens, _ = decode_inputs([5, 9], seed=2, head_dim=64, block_size=16)
+    return {
+        "out of another dtype": dict(out=torch.empty_like(q, dtype=torch.bfloat16)),
+        "out with fewer rows": dict(out=torch.empty_like(q[:1])),
+        "value_cache of another dtype": dict(value_cache=v.bfloat16()),
+        "value_cache with fewer blocks": dict(value_cache=v[:2].contiguous()),
+        "fewer block table rows than sequences": dict(q=q.repeat(2, 1, 1), seq_lens=lens.repeat(2)),
+        "fewer seq_lens than sequences": dict(seq_lens=lens[:1]),
+        "a seq_len past the block table": dict(seq_lens=torch.tensor([5, 100_000])),
+        "a negative seq_len": dict(seq_lens=torch.tensor([5, -1])),
+        "a block id past the cache": dict(block_tables=torch.full_like(tables, NUM_BLOCKS)),
+    }, dict(q=q, key_cache=k, value_cache=v, block_tables=tables, seq_lens=lens, scale=0.1)
+
+
+@pytest.mark.parametrize("case", list(_bad_decode_inputs()[0]))
+def test_cpu_kernels_refuse_what_they_would_read_out_of_bounds(case):
+    """Each of these crashed the process or read past a tensor (a segfault, heap corruption, NaN); the kernels check
+    every table entry and length they will read before reading, and raise."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    bad, good = _bad_decode_inputs()
+    with pytest.raises(RuntimeError):
+        kernels.cpu.paged_decode_attention(**{**good, **bad[case]})
+    kernels.cpu.paged_decode_attention(**good)  # the good inputs run
+
+
+@pytest.mark.parametrize("cu_seqlens, rows", [([0, 2, 9], 3), ([0, 3, 2], 4), ([0, 8, 10], 10), ([1, 3, 5], 5)])
+def test_cpu_prefill_kernel_refuses_rows_it_would_read_out_of_bounds(cu_seqlens, rows):
+    """cu_seqlens past q's rows, decreasing, more rows than a sequence's context (5), or not starting at 0."""
+    import kernels.cpu
+
+    if kernels.cpu.load() is None:
+        pytest.skip("no C++ compiler on this machine")
+    _, key_cache, value_cache, tables, lens, _ = decode_inputs([5, 9], seed=3, head_dim=64, block_size=16)
+    q = torch.randn(rows, NUM_HEADS, 64)
+    with pytest.raises(RuntimeError):
+        kernels.cpu.paged_prefill_attention(q, key_cache, value_cache, tables, torch.tensor(cu_seqlens), lens, 0.1,
+                                            out=torch.empty_like(q))

@@ -189,6 +189,23 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
             assert (got != onednn).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("rows", [7, 13, 100, 256])
+def test_small_gemm_fp32_rows_do_not_depend_on_their_batch(rows):
+    """fp32 prompts go through small_gemm in slices of rows (the model's numbers must not depend on what shares a
+    step): a row's output is bit-identical alone and in a call of many rows, also where K runs in chunks past
+    1024 (AVX-512: two and three chunks, the last partial) and where the last group of outputs is short (80 = 64 + 16)."""
+    if not kernels.cpu.small_gemm_available(torch.float32):
+        pytest.skip("no fp32 small_gemm on this CPU (AVX-512 or AVX2)")
+    torch.manual_seed(rows)
+    for n, k in ((80, 1536), (64, 2500), (48, 512)):
+        packed = kernels.cpu.small_gemm_pack(torch.randn(n, k) * 0.05)
+        bias = torch.randn(n)
+        x = torch.randn(rows, k)
+        got = kernels.cpu.small_gemm(x, packed, bias)
+        alone = torch.cat([kernels.cpu.small_gemm(x[i:i + 1], packed, bias) for i in range(rows)])
+        assert torch.equal(got, alone), (n, k)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 7, 17, 40, 64, 203])
 def test_small_gemm_fp32_out_is_the_bf16_sums_before_their_rounding(rows):
     """bf16 rows with ``out_dtype`` fp32 (an LM head's logits): the same fp32 sums the bf16 result rounds, bit for

@@ -95,6 +95,26 @@ def test_w8a8_gemm_of_a_row_with_nan_is_nan(dtype, m):
     assert got[1].isnan().all() and not got[0].isnan().any() and not got[2:].isnan().any()
 
 
+@pytest.mark.parametrize("m", [1, 40])  # the vector kernel; AMX tiles where the CPU has them
+def test_w8a8_gemm_of_infinite_and_tiny_activations_is_the_float_products(m):
+    # -inf times 127 / inf was NaN, clamped to +127: the sign flipped; a group under ~3.7e-37 made 127 / amax
+    # infinite and rounded its zeros to 127.
+    torch.manual_seed(4)
+    packed = kernels.cpu.int8_gemm_pack(torch.randn(32, 128) * 0.05)
+    dequantized = kernels.cpu.int8_gemm_unpack(packed, 128).double()
+    x = torch.randn(m, 128)
+    x[0, 5] = float("-inf")
+    want = x.double() @ dequantized.T
+    got = kernels.cpu.int8_gemm(x, packed, int8_activations=True)
+    # +-inf by each weight's sign; NaN for a weight rounded to 0, as inf * 0
+    torch.testing.assert_close(got[0], want[0].float(), rtol=0, atol=0, equal_nan=True)
+    tiny = torch.zeros(m, 128)
+    tiny[:, 0], tiny[:, 3], tiny[:, 70] = 1e-37, -3e-38, 2e-39
+    want = tiny.double() @ dequantized.T
+    got = kernels.cpu.int8_gemm(tiny, packed, int8_activations=True).double()
+    assert ((got - want).abs() <= 0.02 * want.abs().max()).all()
+
+
 def test_w8a8_linear_runs_int8_activations():
     torch.manual_seed(2)
     weight, bias, x = torch.randn(48, 128), torch.randn(48), torch.randn(5, 128)

@@ -151,7 +151,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         ``out``.
 
     Raises:
-        RuntimeError: the extension could not be built, or shapes / dtypes / layouts do not match.
+        RuntimeError: the extension could not be built, shapes / dtypes / layouts do not match, or a seq_len or
+            a block id it would read is out of range (checked before anything is read).
     """
     out = torch.empty_like(q) if out is None else out
     _module().paged_decode_attention(out, q.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
@@ -184,7 +185,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
         other than 64 or 128, fp16, more than 16 query heads per KV head.
 
     Raises:
-        RuntimeError: the extension could not be built, or shapes / dtypes / layouts do not match.
+        RuntimeError: the extension could not be built, shapes / dtypes / layouts do not match, or ``cu_seqlens``,
+            a seq_len or a block id it would read is out of range (checked before anything is read).
     """
     return _module().paged_prefill_attention(out, q, key_cache, value_cache, block_tables, cu_seqlens, seq_lens,
                                              scale)
@@ -306,7 +308,9 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     fp32 scale per row and group of :func:`w8a8_group_size` k (``max |x| / 127`` over the group; llama.cpp's Q8_0
     activations use groups of 32), and multiplied with AVX512-VNNI's ``vpdpbusd``: each group's sum is exact in
     int32, scaled by its activation scale and added in fp32 in k order, then scaled per output. Each row is rounded
-    on its own, so a row's result does not depend on the others.
+    on its own, so a row's result does not depend on the others. An infinite activation gives +-inf (or NaN) as the
+    float product would; activations past about 1e34 in magnitude overflow a group's scaled sum (inf) before the
+    weights' scale is applied, where the float product might not (hidden states are many orders below that).
 
     Args:
         x: ``[M, K]`` fp32 or bf16, M >= 1; packed: from :func:`int8_gemm_pack`; bias: ``[N]`` of ``x``'s dtype, or

@@ -286,7 +286,8 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 #if LLM_HAVE_AVX512_VNNI
 // Rows x [M, K] (fp32 or bf16; K % W8A8_GROUP == 0) rounded to int8 per group of W8A8_GROUP k: q[m][k] =
 // round(x[m][k] * (127 / a)) (ties to even, |q| <= 127), scales[m][g] = a / 127 (1 for an all-zero group), a = max |x|
-// over the group (NaN where the group holds a NaN, so that the results are NaN as x's float product would be);
+// over the group (NaN where the group holds a NaN, so that the results are NaN as x's float product would be; where
+// it holds an infinity, q is +-127 there and 0 elsewhere, the scale inf: the results are +-inf, or NaN, as x's are);
 // scales [M, K / W8A8_GROUP]. starts[m][g] = -128 * sum_{k in g} q[m][k]: the group's sum in w8a8_block starts there,
 // which takes off what the weights' offset of 128 adds (only the vector kernel's: starts is null for the AMX tiles,
 // whose tdpbssd multiplies signed bytes).
@@ -303,10 +304,16 @@ inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, floa
         nan |= a != a;
       }
       scales[i] = nan ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? amax / 127.f : 1.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      float inv = amax > 0.f ? 127.f / amax : 0.f;
+      // A group below about 3.7e-37 (127 / amax past fp32's range): both scaled by 2^64 first, exactly.
+      const float pre = std::isinf(inv) ? 0x1p64f : 1.f;
+      if (pre != 1.f) inv = 127.f / (amax * pre);
+      const bool infinite = std::isinf(amax);  // +-127 where x is +-inf (the scale is inf), 0 elsewhere
       int32_t sum = 0;
       for (int64_t k = 0; k < W8A8_GROUP; ++k) {
-        const int32_t r = static_cast<int32_t>(std::max(-127.f, std::min(127.f, std::nearbyint(to_float(v[k]) * inv))));
+        const float value = to_float(v[k]);
+        const int32_t r = infinite ? (std::isinf(value) ? (value > 0.f ? 127 : -127) : 0)
+            : static_cast<int32_t>(std::max(-127.f, std::min(127.f, std::nearbyint(value * pre * inv))));
         q[i * W8A8_GROUP + k] = static_cast<int8_t>(r);
         sum += r;
       }

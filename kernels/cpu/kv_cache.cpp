@@ -29,7 +29,8 @@ inline void stream_copy(char* dst, const char* src, int64_t bytes) {
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous()
-              && value_cache.sizes() == key_cache.sizes(), "write_kv: caches [num_blocks, block_size, heads, dim]");
+              && value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "write_kv: caches [num_blocks, block_size, heads, dim] of one dtype");
   const int64_t heads = key_cache.size(2), dim = key_cache.size(3), tokens = key.size(0);
   for (const auto& x : {key, value}) {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == tokens && x.size(1) == heads && x.size(2) == dim && x.stride(2) == 1

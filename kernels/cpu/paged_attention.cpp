@@ -1235,6 +1235,34 @@ void amx_prefill_kernel(bf16* out, const bf16* q, int64_t q_row_stride, const bf
 }  // namespace
 }  // namespace llm_cpu
 
+namespace {
+// What both kernels read through, checked before any is read (a bad table would read out of bounds, not raise):
+// value_cache the key cache's shape and dtype; one block table row and one seq_len per sequence; each seq_len within
+// its row (0..max_blocks * block_size) and the blocks that hold its keys (the row's first ceil(seq_len /
+// block_size) entries) within the cache. Entries past those are not read (padding, e.g. -1). O(batch x blocks).
+void check_paged_inputs(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t num_seqs) {
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "value_cache must have key_cache's shape and dtype");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && seq_lens.dim() == 1
+              && seq_lens.size(0) == num_seqs, "block_tables [", num_seqs, ", max_blocks] and seq_lens [", num_seqs,
+              "]: one row and one length per sequence");
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(lens[i] >= 0 && lens[i] <= max_blocks * block_size, "seq_lens[", i, "] = ", lens[i],
+                " is outside 0..", max_blocks * block_size, " (the block table's ", max_blocks, " blocks of ",
+                block_size, ")");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[i * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", i, "][", b, "] = ", block,
+                  " is not a block of the cache (0..", num_blocks - 1, ")");
+    }
+  }
+}
+}  // namespace
+
 // out, q: [batch, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64 (keys 0..seq_len-1 are attended).
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -1243,11 +1271,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
               && block_tables.is_contiguous() && seq_lens.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
-  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && q.scalar_type() == key_cache.scalar_type(),
-              "q [batch, heads, head_dim] and caches [blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && q.scalar_type() == key_cache.scalar_type()
+              && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "q, out [batch, heads, head_dim] and caches [blocks, block_size, kv_heads, head_dim] of one dtype");
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  check_paged_inputs(key_cache, value_cache, block_tables, seq_lens, batch);
   llm_cpu::dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = reinterpret_cast<T*>(out.data_ptr());
@@ -1316,7 +1346,17 @@ bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(cu_seqlens.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "one row per sequence");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) == num_seqs + 1, "cu_seqlens [num_seqs + 1]");
+  check_paged_inputs(key_cache, value_cache, block_tables, seq_lens, num_seqs);
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[num_seqs] <= q.size(0), "cu_seqlens must start at 0 and end within q's ", q.size(0),
+              " rows");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(cu[i] <= cu[i + 1] && cu[i + 1] - cu[i] <= lens[i], "sequence ", i, ": rows ", cu[i], "..",
+                cu[i + 1], " of q are not the last positions of its ", lens[i], " (cu_seqlens must not decrease, and "
+                "a sequence has at most seq_len rows)");
+  }
   if (num_heads / num_kv_heads > llm_cpu::MAX_GROUP || (head_dim != 64 && head_dim != 128)) return false;
   bool handled = false;
   llm_cpu::dispatch_float_types(q.scalar_type(), "paged_prefill_attention", [&](auto* tag) {

@@ -47,6 +47,8 @@ namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
 constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
+// fp32 on AVX-512 over several passes of 6 rows: k per chunk of a group's weights (small_gemm_fp32_chunked), 256 KiB.
+constexpr int64_t VECTOR_K_CHUNK = 1024;
 // On AVX2 (16 registers, 8 lanes; fp32, and bf16 widened to fp32): up to AVX2_STREAM_ROWS rows stream each group of
 // weights once, one or two rows at a time; past them, 6-row register blocks (small_gemm_avx2_rows), any number of rows.
 constexpr int64_t AVX2_STREAM_ROWS = 4;
@@ -209,17 +211,21 @@ inline void dp_block(const bf16* x, int64_t K, const bf16* w, int64_t stride, fl
 #endif
 
 #if LLM_HAVE_AVX512
-// Rows x[0..MB) against NB consecutive blocks of 16 outputs (weights [K][16] per block, blocks `stride` apart):
-// c[m * 64 + 16 * j + n] = sum_k x[m][k] w_j[k][n].
+// Rows x[0..MB) (K apart) against NB consecutive blocks of 16 outputs (weights [K][16] per block, blocks `stride`
+// apart) over k in [0, kc): c[m * 64 + 16 * j + n] = sum_k x[m][k] w_j[k][n], or, where `accumulate` (a later chunk
+// of k), added to c in the same order (each output's sum one fp32 accumulator in k order, stored and reloaded
+// exactly: the bits of one pass over all k). pf_lines lines at pf, and at each of pf_blocks - 1 further blocks
+// `stride` apart, are prefetched into L2 over the loop.
 template <int MB, int NB>
-inline void fma_block(const float* x, int64_t K, const float* w, int64_t stride, float* c,
-                      const char* pf = nullptr, int64_t pf_lines = 0) {
-  const int64_t pf_step = pf ? (pf_lines + K - 1) / K : 0;
+inline void fma_block(const float* x, int64_t K, int64_t kc, const float* w, int64_t stride, float* c,
+                      bool accumulate, const char* pf = nullptr, int64_t pf_lines = 0, int64_t pf_blocks = 1) {
+  const int64_t pf_step = pf ? (pf_lines + kc - 1) / kc : 0;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch_share(pf, pf_lines, pf_step, k);
+    for (int j = 0; j < NB; ++j) acc[m][j] = accumulate ? _mm512_loadu_ps(c + m * 64 + 16 * j) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t b = 0; b < pf_blocks; ++b)
+      prefetch_share(pf + b * stride * static_cast<int64_t>(sizeof(float)), pf_lines, pf_step, k);
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + 16 * k);
     for (int m = 0; m < MB; ++m) {
@@ -440,8 +446,9 @@ static void small_gemm_vector(torch::Tensor out, torch::Tensor x, torch::Tensor 
 #if LLM_HAVE_AVX512
           with_constant<6>(rows, [&](auto mb) {
             constexpr int MB = decltype(mb)::value;
-            if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, w, K * 16, c, pf, pf_lines);
-            else for (int64_t j = 0; j < nbs; ++j) fma_block<MB, 1>(xs + m0 * K, K, w + j * K * 16, K * 16, c + 16 * j);
+            if (nbs == 4) fma_block<MB, 4>(xs + m0 * K, K, K, w, K * 16, c, false, pf, pf_lines);
+            else for (int64_t j = 0; j < nbs; ++j)
+              fma_block<MB, 1>(xs + m0 * K, K, K, w + j * K * 16, K * 16, c + 16 * j, false);
           });
 #endif
           for (int64_t m = 0; m < rows; ++m)
@@ -539,6 +546,62 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
 }
 #endif
 
+#if LLM_HAVE_AVX512
+// fp32 on AVX-512 over more than one pass of 6 rows where a group's weights (K x 64 fp32: 256 bytes per k) would not
+// stay in L2 from one pass to the next (the 1.7B shape's down projection, K = 8192, reads 2 MiB per group): as
+// small_gemm_vector, with K in chunks of VECTOR_K_CHUNK (256 KiB of a group's weights), each chunk read by every
+// pass of 6 rows before the next (the loop order of BLIS, Van Zee & van de Geijn, ACM TOMS 2015, sec. 4), the sums of
+// all M rows kept in c between chunks. The weights the next chunk's first pass reads (the group's next chunk, else the
+// first chunk of the group the thread most likely takes next) are prefetched into L2 over the passes, a share per
+// pass. Each output's sum runs in k order in one accumulator, stored and reloaded exactly between chunks: the bits are
+// small_gemm_vector's, and one row's alone (batch invariance).
+static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                                    c10::optional<torch::Tensor> bias) {
+  using namespace llm_cpu;
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16, stride = K * 16;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = out.data_ptr<float>();
+  const int64_t groups = (NB + 3) / 4, passes = (M + 5) / 6;
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
+  {
+    std::unique_ptr<float[]> c_storage(new float[M * 64 + 16]);  // all M rows' sums for the group's 64 outputs
+    float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c_storage.get()) + 63) & ~uintptr_t{63});
+    const int64_t threads = omp_get_num_threads();
+    for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
+      const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0), next = g + threads;
+      const float* w = ws + nb0 * stride;
+      for (int64_t k0 = 0; k0 < K; k0 += VECTOR_K_CHUNK) {
+        const int64_t kc = std::min(VECTOR_K_CHUNK, K - k0);
+        const bool last = k0 + kc == K;
+        const float* pf_w = !last ? w + (k0 + kc) * 16 : next < groups ? ws + 4 * next * stride : nullptr;
+        const int64_t pf_blocks = !last ? nbs : std::min<int64_t>(4, NB - 4 * next);
+        const int64_t pf_lines = pf_w ? (last ? std::min(VECTOR_K_CHUNK, K) : std::min(VECTOR_K_CHUNK, K - k0 - kc))
+                                            * 16 * static_cast<int64_t>(sizeof(float)) / 64 : 0;  // per block
+        for (int64_t pass = 0, m0 = 0; m0 < M; ++pass, m0 += 6) {
+          const int64_t first = pass * pf_lines / passes, share = (pass + 1) * pf_lines / passes - first;
+          const char* pf = pf_w && share ? reinterpret_cast<const char*>(pf_w) + 64 * first : nullptr;
+          const float* xm = xs + m0 * K + k0;
+          float* cm = c + m0 * 64;
+          with_constant<6>(std::min<int64_t>(6, M - m0), [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            if (nbs == 4) fma_block<MB, 4>(xm, K, kc, w + k0 * 16, stride, cm, k0 > 0, pf, share, pf_blocks);
+            else for (int64_t j = 0; j < nbs; ++j)
+              fma_block<MB, 1>(xm, K, kc, w + j * stride + k0 * 16, stride, cm + 16 * j, k0 > 0,
+                               j == 0 ? pf : nullptr, share, pf_blocks);
+          });
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < 16 * nbs; ++n)
+          ys[m * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+    }
+  }
+}
+#endif
+
 // out [M, N] = x [M, K] @ weight^T (+ bias [N], added in fp32), bf16 or fp32, M <= small_gemm_max_rows; packed
 // from small_gemm_pack. out is x's dtype, or fp32 for bf16 x: the fp32 sums unrounded (the bf16 result is exactly
 // their rounding).
@@ -549,12 +612,15 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= small_gemm_max_rows(false)
                 && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.scalar_type() == at::kFloat,
                 "small_gemm: x fp32 [M <= ", small_gemm_max_rows(false), ", K] contiguous, packed [N / 16, K, 16]");
-    TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == packed.size(0) * 16
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == packed.size(0) * 16
                 && out.scalar_type() == at::kFloat, "small_gemm: out fp32 [M, N] contiguous");
     TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out.size(1) && bias->scalar_type() == at::kFloat),
                 "small_gemm: bias fp32 [N]");
 #if LLM_HAVE_AVX2_FMA
     if (x.size(0) > AVX2_STREAM_ROWS) return small_gemm_avx2_rows<float>(out, x, packed, bias);
+#endif
+#if LLM_HAVE_AVX512
+    if (x.size(0) > 6 && x.size(1) > VECTOR_K_CHUNK) return small_gemm_fp32_chunked(out, x, packed, bias);
 #endif
     return small_gemm_vector<float>(out, x, packed, bias);
   }
@@ -565,7 +631,7 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
               && M <= small_gemm_max_rows(true) && packed.dim() == 4 && packed.size(1) * 2 == K && K % 32 == 0,
               "small_gemm: x bf16 [M <= ", small_gemm_max_rows(true), ", K] contiguous, packed [N / 16, K / 2, 16, 2]");
   const bool fp32_out = out.scalar_type() == at::kFloat;
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == M && out.size(1) == N
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == M && out.size(1) == N
               && (fp32_out || out.scalar_type() == at::kBFloat16), "small_gemm: out bf16 or fp32 [M, N] contiguous");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16),
               "small_gemm: bias bf16 [N]");
