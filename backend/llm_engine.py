@@ -175,6 +175,9 @@ class LLMEngine:
         Returns:
             The sink.
 
+        ``params.max_tokens`` past the context is held to it: the request ends at ``max_model_len`` with
+        finish_reason ``length`` (as vLLM caps it); ``min_tokens`` past it is refused.
+
         A request with ``params.structured_outputs`` has its constraint checked (a JSON schema keyword the
         grammar would not enforce is refused) and its grammar compiled before it is queued, the caller waiting
         at most ``structured_outputs_compile_timeout`` (once per distinct constraint: cached); the engine loop
@@ -182,8 +185,8 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, invalid UTF-8, token ids outside the vocabulary, a request that can
-                never fit (over ``max_prompt_bytes`` before tokenizing, over ``max_model_len`` after, or
-                bigger than the whole KV cache), a duplicate request id, a ``timeout`` that is not a
+                never fit (over ``max_prompt_bytes`` before tokenizing, over ``max_model_len`` after (with
+                ``min_tokens``), or bigger than the whole KV cache), a duplicate request id, a ``timeout`` that is not a
                 positive number, or an invalid, unenforceable, oversized or too slow to compile schema, regex
                 or grammar in ``structured_outputs``. Nothing is queued then; other requests are unaffected.
             EngineOverloadedError: the waiting queue is full (``max_num_waiting_requests`` /
@@ -215,7 +218,13 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one output token must fit)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        # max_tokens is a bound: past the context the request ends at max_model_len (finish_reason length), as
+        # vLLM caps it; min_tokens is a promise, so it must fit.
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.min_tokens > room:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + min_tokens ({params.min_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
         self.engine_core.check_fits(len(prompt_ids), max_tokens)
         make_grammar = None
         if params.structured_outputs is not None:

@@ -35,7 +35,7 @@ from openai_frontend.errors import OpenAIError, internal_error
 from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
                                     render_token_ids, vocab_size, warm_tokenizers)
 from openai_frontend.models import model_ids, resolve, tokenizer_for
-from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.protocol import OPENAI_UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
 from openai_frontend.text_check import LoneSurrogateMiddleware
 from openai_frontend.token_bytes import TextOffsets, TokenBytes
@@ -119,7 +119,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:] if not _UNION_MEMBER.fullmatch(str(p))) or None
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if first.get("type") == "extra_forbidden":
+        code = "invalid_request"
+        if first.get("type") == "extra_forbidden" and param in OPENAI_UNSUPPORTED:
+            message, code = f"{param} is not supported by this server ({OPENAI_UNSUPPORTED[param]})", \
+                "unsupported_parameter"
+        elif first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
         elif first.get("type") == "json_invalid":  # loc ("body", <character offset>)
             reason = (first.get("ctx") or {}).get("error")
@@ -133,7 +137,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
             # The message alone: the error's input, context and location in the source stay out.
             msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our validators' own words
             message = f"{param}: {msg}" if param else msg
-        return JSONResponse(OpenAIError(400, message, "invalid_request", param).body(), status_code=400)
+        return JSONResponse(OpenAIError(400, message, code, param).body(), status_code=400)
 
     @app.get("/health")
     async def health():
@@ -199,19 +203,22 @@ def create_app(config: FrontendConfig) -> FastAPI:
             sampling["structured_outputs"] = tools.structured_outputs()
         name, version = await resolve(triton, body.model)
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)  # the first load takes seconds
-        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
-                                         config.trust_request_chat_template)
+        prompt_ids = await _chat_prompt_ids(tokenizer, body, tools, name, version)
         request_id = _request_id(body, request)
-        # prompts: chat never echoes them (a prompt given as token ids, see render_chat, is not decoded for it)
         view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
-                     prompts=[prompt if isinstance(prompt, str) else ""], n=body.n or 1, top_n=logprobs,
+                     prompts=[""], n=body.n or 1, top_n=logprobs,
                      tools=tools if tools.active else None,
                      prompt_logprobs=body.prompt_logprobs, continuous_usage=body.continuous_usage,
                      end_token_ids=frozenset(tokenizer.all_special_ids) if body.skip_special_tokens is not False
                      else frozenset(),
                      token_bytes=TokenBytes(tokenizer, body.skip_special_tokens is not False) if body.logprobs else None)
-        events = _merged(triton, name, version, [prompt], sampling, request_id)
+        events = _merged(triton, name, version, [prompt_ids], sampling, request_id)
         return await _respond(view, events, body.stream, body.include_usage, request)
+
+    async def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice, name: str,
+                               version: str) -> list[int]:
+        return await chat_prompt_ids(tokenizer, body, tools, config,
+                                     max_model_len(config.model_repository, name, version))
 
     # vLLM's render endpoints: the token ids the engine will compute for a request, without running it. The
     # Gateway API Inference Extension's endpoint picker (llm-d token-producer) tokenizes prompts through them
@@ -239,10 +246,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
         tools = await asyncio.to_thread(ToolChoice.from_request, body.tools, body.tool_choice,  # checks schemas
                                         body.parallel_tool_calls)
-        prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
-                                         config.trust_request_chat_template)  # as generated
-        (ids,) = await render_token_ids(tokenizer, [prompt], max_model_len(config.model_repository, name, version))
-        return await json_response({"token_ids": ids})
+        return await json_response({"token_ids": await _chat_prompt_ids(tokenizer, body, tools, name, version)})
 
     app.include_router(token_routes(triton, config))
     app.include_router(responses_routes(chat_completions))  # POST /v1/responses, over the chat route
@@ -295,6 +299,21 @@ async def _prompt_logprobs_first(events: AsyncIterator[tuple[int, Delta]]) -> As
                 yield prompt_index, delta
     finally:
         await events.aclose()
+
+
+async def chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice, config: FrontendConfig,
+                          limit: int) -> list[int]:
+    """The chat prompt's token ids, as the model gets them: the template's text tokenized here without the
+    tokenizer's own special tokens (``add_special_tokens``, false by default as at vLLM): a template that writes
+    the BOS itself (Llama 3, Mistral, Gemma) would otherwise start with two. ``limit``: the model's max_model_len.
+
+    Raises:
+        OpenAIError: 400 for a template that fails or may not run (``render_chat``), or a prompt too long.
+    """
+    prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
+                                     config.trust_request_chat_template, body.add_special_tokens)
+    (ids,) = await render_token_ids(tokenizer, [prompt], limit, add_special_tokens=body.add_special_tokens)
+    return ids
 
 
 async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str | list[int]],
@@ -372,8 +391,8 @@ class _View:
     token_bytes: TokenBytes | None = None  # with logprobs: how tokens are named, and their text offsets
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field is answered, this wide
     continuous_usage: bool = False  # streaming: usage so far in every chunk
-    # Chat: a special token that ends the reply (end of turn) is not part of the message, so, as at OpenAI, it
-    # has no logprobs entry either.
+    # Chat: a special token that ends the reply (end of turn, finish_reason stop) is not part of the message, so,
+    # as at OpenAI, it has no logprobs entry either; one generated under ignore_eos that the length cut after is.
     end_token_ids: frozenset[int] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)  # choice index -> its state
@@ -394,7 +413,7 @@ class _View:
             self.raw_prompt_logprobs[prompt_index] = delta.prompt_logprobs
         text = "" if self.echo_only else delta.text
         entries = [] if self.echo_only or self.top_n is None else _logprob_entries(delta, self.top_n, not self.chat)
-        if entries and delta.finish_reason and delta.token_ids and delta.token_ids[-1] in self.end_token_ids:
+        if entries and delta.finish_reason == "stop" and delta.token_ids and delta.token_ids[-1] in self.end_token_ids:
             entries = entries[:-1]
         echoed = []  # the echoed prompt's entries, on a choice's first delta
         if self.echo and not choice.started:

@@ -20,7 +20,8 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     over the messages, with the generation prompt unless ``add_generation_prompt`` is false, the last message
     left open with ``continue_final_message``. A template that renders ``tools`` gets them; for one that does
     not, they (and earlier tool calls and results) are presented in the Hermes format
-    (``openai_frontend.tool_calls``).
+    (``openai_frontend.tool_calls``). ``developer`` messages are ``system`` ones for a template that does not name
+    the developer role.
 
     The request's text is text: where a message, a tool or a template argument holds the text of a special token
     (``<|im_end|>``), that text becomes the ordinary tokens it spells, not the control token, so that a user
@@ -45,6 +46,10 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     messages = body.messages_for_template()
     template = chat_template or getattr(tokenizer, "chat_template", None) or ""
     kwargs = dict(body.chat_template_kwargs or {})
+    if "'developer'" not in template and '"developer"' not in template:
+        # OpenAI's developer role is the system role of models trained before it: a template that does not name it
+        # would render an unknown role (and add its default system prompt); vLLM converts it the same way.
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     has_tool_turns = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     if "tools" in template:
         if tools.active:

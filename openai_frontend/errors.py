@@ -5,19 +5,24 @@ how it begins (a bad request's message may quote anything its client sent, so no
 it): Triton's unknown model is 503 (the frontend found the model ready just before: it was unloaded since, by a
 drain or a fault, and a retry elsewhere or later may succeed), the engine's refusals of a valid request
 (``backend.errors.UNAVAILABLE_MESSAGE_STARTS``: full, draining, dead) 503, the model's ``internal error: ...``
-500, and anything else the model rejected (its validation of the request) 400.
+500, and anything else the model rejected (its validation of the request) 400, its ``param`` the sampling field
+the message begins with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from backend.errors import UNAVAILABLE_MESSAGE_STARTS
+from backend.sampling_params import SamplingParams
 
 TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "internal_server_error",
          503: "service_unavailable"}
 _NOT_READY = re.compile(r"Request for unknown model\b")  # Triton's own words; matched at the start
 _UNAVAILABLE = re.compile("|".join(re.escape(start) for start in UNAVAILABLE_MESSAGE_STARTS))
+_LEADING_NAME = re.compile(r"([a-z_]+)\b")
+_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
 
 class OpenAIError(Exception):
@@ -47,4 +52,6 @@ def error_from_triton(message: str) -> OpenAIError:
         return OpenAIError(503, message, "service_unavailable")
     if message.startswith(("internal error", "generation failed")):
         return OpenAIError(500, message, "internal_error")
-    return OpenAIError(400, message, "invalid_request")
+    leading = _LEADING_NAME.match(message)  # the engine's checks begin with the field's name: "max_tokens must be"
+    return OpenAIError(400, message, "invalid_request",
+                       leading.group(1) if leading and leading.group(1) in _SAMPLING_FIELDS else None)

@@ -11,7 +11,7 @@ when they ask for something (``logit_bias``, ``suffix``, ...), and ignored when 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -20,6 +20,12 @@ from backend.sampling_params import MAX_LOGPROBS
 from serve.request_parsing import INT32_MAX
 from openai_frontend.errors import OpenAIError
 from openai_frontend.structured import structured_outputs
+
+
+# OpenAI's request fields that ask for what this server does not do: a 400 that says so, not "unrecognized".
+OPENAI_UNSUPPORTED = {"reasoning_effort": "the models served here do not reason", "verbosity": "no reasoning models",
+                      "prediction": "predicted outputs", "audio": "audio output",
+                      "web_search_options": "web search"}
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +74,27 @@ class _Sampling(BaseModel):
     cache_salt: str | None = None  # prefix-cache blocks shared only among requests with the same salt
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema (openai_frontend.structured)
+    # vLLM's fields this server takes at their defaults only (check_defaults): clients that send every field of
+    # vLLM's request send them.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    include_reasoning: bool | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+
+    DEFAULT_ONLY: ClassVar[dict[str, Any]] = {
+        "use_beam_search": False, "length_penalty": 1.0, "include_reasoning": True, "return_token_ids": False,
+        "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True}
+
+    def check_defaults(self) -> None:
+        """Raises: OpenAIError 400 naming a field of :attr:`DEFAULT_ONLY` sent with another value than its default
+        (beam search, token ids in the answer, ...: what it asks for is not implemented)."""
+        for name, default in self.DEFAULT_ONLY.items():
+            value = getattr(self, name)
+            if value is not None and value != default:
+                raise OpenAIError(400, f"{name} {value!r} is not supported: only its default, {default!r}",
+                                  "unsupported_parameter", name)
 
     def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """The model's ``sampling_parameters``: the fields that were sent (``max_tokens`` None = up to the
@@ -108,6 +135,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool | None = None  # vLLM's; true (its default) only: the tokenizer's BOS and the like
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -122,6 +150,11 @@ class CompletionRequest(_Sampling):
     def check(self) -> None:
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", "unsupported_parameter", "suffix")
+        if self.add_special_tokens is False:
+            raise OpenAIError(400, "add_special_tokens false is not supported for completions: a text prompt is "
+                                   "tokenized with the tokenizer's special tokens (send token ids for another "
+                                   "start)", "unsupported_parameter", "add_special_tokens")
+        self.check_defaults()
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise OpenAIError(400, "best_of other than n is not supported", "unsupported_parameter", "best_of")
         if isinstance(self.prompt, list) and (not self.prompt or any(p == [] or p == "" for p in self.prompt)):
@@ -227,6 +260,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message
     modalities: list[Literal["text"]] | None = None
+    # vLLM's: the template writes the special tokens it wants (a BOS); true adds the tokenizer's as well.
+    add_special_tokens: bool = False
+    echo: bool | None = None  # vLLM's chat echo: false only (check)
 
     def check(self) -> None:
         if self.top_logprobs and not self.logprobs:
@@ -239,6 +275,10 @@ class ChatCompletionRequest(_Sampling):
                               "invalid_value", "max_completion_tokens")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", "invalid_value", "messages")
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported in chat (completions echo the prompt)",
+                              "unsupported_parameter", "echo")
+        self.check_defaults()
         for i, message in enumerate(self.messages):
             if message.role not in CHAT_ROLES:
                 raise OpenAIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "

@@ -31,7 +31,7 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # as vLLM: true for a prompt, false for messages (the template's own)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -76,12 +76,13 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
                                             chat.parallel_tool_calls)
         tok, name, version = await tokenizer(body.model)
         limit = max_model_len(config.model_repository, name, version)
+        special = body.add_special_tokens if body.add_special_tokens is not None else chat is None
         if chat is not None:
             prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools,
-                                             config.trust_request_chat_template, body.add_special_tokens)
+                                             config.trust_request_chat_template, special)
         else:
             prompt = body.prompt
-        [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=body.add_special_tokens)
+        [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=special)
         answer = {"count": len(ids), "max_model_len": limit, "tokens": ids}
         if body.return_token_strs:
             answer["token_strs"] = await asyncio.to_thread(tok.convert_ids_to_tokens, ids)

@@ -709,3 +709,16 @@ def test_a_schema_limit_beyond_what_the_sampling_parameters_input_holds_is_refus
     assert EngineConfig(structured_outputs_max_schema_bytes=MAX_SCHEMA_BYTES_SETTING)
     with pytest.raises(ValueError, match=f"structured_outputs_max_schema_bytes must be at most {MAX_SCHEMA_BYTES_SETTING}"):
         EngineConfig(structured_outputs_max_schema_bytes=MAX_SCHEMA_BYTES_SETTING + 1)
+
+
+def test_max_tokens_past_the_context_ends_the_reply_at_max_model_len(make_engine, tiny_model_dir):
+    # max_tokens is a bound (vLLM caps it at the context); min_tokens is a promise, refused where it cannot fit.
+    engine = make_engine(tiny_model_dir, max_model_len=64)
+    engine.start()
+    outs = list(engine.generate(list(range(1, 41)), SamplingParams(max_tokens=1000, temperature=0.0,
+                                                                   ignore_eos=True), request_id="long"))
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 64 - 40
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ min_tokens \(30\) exceeds max_model_len \(64\)"):
+        list(engine.generate(list(range(1, 41)), SamplingParams(max_tokens=1000, min_tokens=30), request_id="min"))
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        list(engine.generate(list(range(1, 65)), SamplingParams(max_tokens=1), request_id="full"))

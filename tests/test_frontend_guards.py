@@ -252,6 +252,42 @@ def test_chat_requests_that_would_be_silently_misread_are_400_naming_the_field(f
     assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body, param, code, message", [
+    ("/v1/chat/completions", {"messages": HI, "reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter",
+     "reasoning_effort is not supported by this server"),
+    ("/v1/chat/completions", {"messages": HI, "use_beam_search": True}, "use_beam_search", "unsupported_parameter",
+     "use_beam_search True is not supported: only its default, False"),
+    ("/v1/chat/completions", {"messages": HI, "echo": True}, "echo", "unsupported_parameter", "echo is not supported"),
+    ("/v1/completions", {"prompt": "hi", "return_token_ids": True}, "return_token_ids", "unsupported_parameter",
+     "return_token_ids True is not supported"),
+    ("/v1/completions", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", "unsupported_parameter",
+     "add_special_tokens false is not supported for completions"),
+    ("/v1/chat/completions", {"messages": HI, "bogus": 1}, "bogus", "invalid_request",
+     "Unrecognized request argument supplied: bogus"),
+])
+def test_fields_that_ask_for_what_is_not_done_are_400_saying_so(frontend, path, body, param, code, message):
+    response = requests.post(f"{frontend}{path}", json={"model": "llm", **body}, headers=AUTH, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, code) and message in error["message"], error
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": HI, "use_beam_search": False, "length_penalty": 1.0, "echo": False,
+                              "include_reasoning": True, "return_token_ids": False, "add_special_tokens": True,
+                              "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True}),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": False, "add_special_tokens": True,
+                         "return_token_ids": False}),
+])
+def test_vllm_fields_at_their_defaults_reach_the_model(frontend, path, body):
+    # A client that sends every field of vLLM's request gets past the checks (to Triton, absent here: 503).
+    response = requests.post(f"{frontend}{path}", json={"model": "llm", **body}, headers=AUTH, timeout=30)
+    assert response.status_code == 503, response.text
+
+
 @pytest.mark.parametrize("prompt", [[1.5], ["Hi", [1]], {"text": "Hi"}])
 def test_a_completion_prompt_of_no_accepted_shape_is_400_listing_the_shapes(frontend, prompt):
     response = requests.post(f"{frontend}/v1/completions", json={"model": "llm", "prompt": prompt}, headers=AUTH,

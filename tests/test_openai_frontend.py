@@ -443,6 +443,50 @@ def test_chat_template_override_replaces_the_tokenizers(tokenizer):
         render_chat(tokenizer, smuggled, template)
 
 
+def test_a_developer_message_is_a_system_one_for_a_template_without_that_role(tokenizer):
+    # SmolLM2's template knows no developer role: it rendered "<|im_start|>developer" after its default system
+    # prompt, so the instructions sat under a role the model never saw.
+    from openai_frontend.chat_template import render_chat
+    from openai_frontend.protocol import ChatCompletionRequest
+
+    turns = [{"role": "user", "content": "Hi"}]
+    body = ChatCompletionRequest(model="llm", messages=[{"role": "developer", "content": "Be brief."}, *turns])
+    as_system = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, *turns], tokenize=False,
+                                              add_generation_prompt=True)
+    assert render_chat(tokenizer, body, None) == as_system and "developer" not in as_system
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}[dev]{% endif %}<{{ m.role }}>{% endfor %}"
+    assert render_chat(tokenizer, body, knows) == "[dev]<developer><user>"  # a template that names it gets it
+
+
+def test_a_chat_template_that_writes_the_bos_gets_one_bos(tokenizer):
+    # A tokenizer that adds a BOS (Llama 3, Mistral, Gemma) and a template that writes it too: the engine used to
+    # tokenize the rendered text with the tokenizer's special tokens, so every chat prompt began with two.
+    import asyncio
+    import copy
+
+    from tokenizers import processors
+
+    from openai_frontend.app import FrontendConfig, chat_prompt_ids
+    from openai_frontend.protocol import ChatCompletionRequest
+    from openai_frontend.tool_calls import ToolChoice
+
+    bos = copy.deepcopy(tokenizer)
+    bos.bos_token = "<|endoftext|>"
+    bos_id = bos.convert_tokens_to_ids("<|endoftext|>")
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                         special_tokens=[("<|endoftext|>", bos_id)])
+    bos.chat_template = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n" \
+                        "{% endfor %}<|im_start|>assistant\n"
+    assert bos.encode("Hi")[0] == bos_id  # the tokenizer adds one
+    body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "Hi"}])
+    config = FrontendConfig(triton_url="127.0.0.1:1")
+    ids = asyncio.run(chat_prompt_ids(bos, body, ToolChoice("none"), config, 2048))
+    assert ids == bos.apply_chat_template(body.messages_for_template(), add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) and ids.count(bos_id) == 1
+    asked = body.model_copy(update={"add_special_tokens": True})  # vLLM's add_special_tokens: the tokenizer's too
+    assert asyncio.run(chat_prompt_ids(bos, asked, ToolChoice("none"), config, 2048))[:2] == [bos_id, bos_id]
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
