@@ -18,8 +18,17 @@ def apply_chat_template(prompt: str, tokenizer_path: str | None) -> str:
 
         tokenizer_path = str(resolve_model_dir(None))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
+    return without_template_bos(tokenizer, text)
+
+
+def without_template_bos(tokenizer, text: str) -> str:
+    """``text`` without the BOS a template wrote where the tokenizer adds one itself: the server tokenizes
+    ``text_input`` with the tokenizer's special tokens, so the prompt would begin with two (Llama 3, Mistral)."""
+    bos = tokenizer.bos_token
+    adds_bos = bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id]
+    return text[len(bos):] if adds_bos and text.startswith(bos) else text
 
 
 def main(argv: list[str] | None = None) -> int:

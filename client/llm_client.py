@@ -123,7 +123,7 @@ class LLMClient:
         """The request's gRPC inputs (``InferInput``s, usable with ``tritonclient.grpc`` and its ``aio``).
 
         Raises:
-            ValueError: an unknown sampling option, or an integer one outside its input's type.
+            ValueError: an unknown sampling option, one of the wrong kind, or an integer one outside its input's type.
         """
         def tensor(name, array, datatype):
             t = grpcclient.InferInput(name, list(array.shape), datatype)

@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                          (args.max_output_tokens < 0, "--max-output-tokens must be 0 (off) or positive"),
                          (args.stop_timeout < 0 or not 0 <= args.idle_timeout < math.inf,
                           "timeouts must be finite and not negative"),
-                         (not 0 < args.memory_interval < math.inf, "--memory-interval must be positive"),
+                         (not 0 < args.memory_interval < math.inf,
+                          "--memory-interval must be positive and finite"),
                          (not 0 <= args.memory_warmup < math.inf, "--memory-warmup must be finite and not negative"),
                          (not 0 <= args.max_rss_drift_mib < math.inf,
                           "--max-rss-drift-mib must be finite and not negative")):

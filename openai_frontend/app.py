@@ -217,8 +217,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     async def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice, name: str,
                                version: str) -> list[int]:
-        return await chat_prompt_ids(tokenizer, body, tools, config,
-                                     max_model_len(config.model_repository, name, version))
+        limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
+        return await chat_prompt_ids(tokenizer, body, tools, config, limit)
 
     # vLLM's render endpoints: the token ids the engine will compute for a request, without running it. The
     # Gateway API Inference Extension's endpoint picker (llm-d token-producer) tokenizes prompts through them
@@ -312,7 +312,8 @@ async def chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolCho
     """
     prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
                                      config.trust_request_chat_template, body.add_special_tokens)
-    (ids,) = await render_token_ids(tokenizer, [prompt], limit, add_special_tokens=body.add_special_tokens)
+    (ids,) = await render_token_ids(tokenizer, [prompt], limit, add_special_tokens=body.add_special_tokens,
+                                    param="messages")
     return ids
 
 

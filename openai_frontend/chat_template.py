@@ -26,8 +26,9 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     The request's text is text: where a message, a tool or a template argument holds the text of a special token
     (``<|im_end|>``), that text becomes the ordinary tokens it spells, not the control token, so that a user
     cannot end their turn and open a system one (OpenAI's API treats such text the same way; vLLM's does not by
-    default). Such a prompt is returned as its token ids (with the special tokens ``add_special_tokens`` adds,
-    as the engine's tokenizing of text adds them); every other prompt as its text, tokenized by the engine.
+    default). Such a prompt is returned as its token ids (with the tokenizer's special tokens where
+    ``add_special_tokens``); every other prompt as its text, which the chat route tokenizes the same way
+    (``openai_frontend.app.chat_prompt_ids``).
 
     A request's own template is Jinja code that runs in the frontend for as long as it likes (nested loops of
     100,000 each are allowed by Jinja's sandbox), so it is refused unless the operator trusts callers with it

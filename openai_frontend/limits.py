@@ -138,13 +138,13 @@ def check_completion_count(num_prompts: int, n: int | None, limits: Limits) -> N
 
 
 async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_len: int,
-                           add_special_tokens: bool = True) -> list[list[int]]:
+                           add_special_tokens: bool = True, param: str = "prompt") -> list[list[int]]:
     """The token ids of each prompt (token-id prompts as they are), computed on a worker thread; each text
     prompt is first held to the bytes that could fit ``max_model_len`` tokens (``backend.prompt_limits``), as
     the engine does before tokenizing.
 
     Raises:
-        OpenAIError: 400, a prompt over that bound.
+        OpenAIError: 400 naming ``param`` (the request's field the prompt came from), a prompt over that bound.
     """
     def encode() -> list[list[int]]:
         limit = (max_model_len - 1) * _max_token_bytes(tokenizer)
@@ -153,7 +153,7 @@ async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_
                 if isinstance(prompt, str):
                     check_prompt_bytes(prompt, limit, max_model_len)
             except ValueError as exc:
-                raise OpenAIError(400, str(exc), "invalid_value", "prompt") from None
+                raise OpenAIError(400, str(exc), "invalid_value", param) from None
         return [encode_prompt(tokenizer, prompt, add_special_tokens) if isinstance(prompt, str) else prompt
                 for prompt in prompts]
 

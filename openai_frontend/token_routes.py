@@ -82,7 +82,8 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
                                              config.trust_request_chat_template, special)
         else:
             prompt = body.prompt
-        [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=special)
+        [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=special,
+                                       param="prompt" if chat is None else "messages")
         answer = {"count": len(ids), "max_model_len": limit, "tokens": ids}
         if body.return_token_strs:
             answer["token_strs"] = await asyncio.to_thread(tok.convert_ids_to_tokens, ids)

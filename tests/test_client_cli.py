@@ -72,3 +72,22 @@ def test_an_option_of_the_wrong_kind_is_refused_by_name(option, value, message):
         client.grpc_inputs("hi", None, True, **{option: value})
     client.grpc_inputs("hi", None, True, temperature=1, top_p=np.float32(0.5), ignore_eos=np.bool_(True),
                        max_tokens=np.int64(4))
+
+
+def test_chat_text_leaves_the_bos_to_the_servers_tokenizer(tokenizer):
+    # The server tokenizes text_input with the tokenizer's special tokens: a template that writes the BOS too
+    # (Llama 3, Mistral) would give the prompt two.
+    import copy
+
+    from tokenizers import processors
+
+    from client.__main__ import without_template_bos
+
+    assert without_template_bos(tokenizer, "<|endoftext|>Hi") == "<|endoftext|>Hi"  # SmolLM2 adds none
+    bos = copy.deepcopy(tokenizer)
+    bos.bos_token = "<|endoftext|>"
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos.convert_tokens_to_ids("<|endoftext|>"))])
+    text = without_template_bos(bos, "<|endoftext|><|im_start|>user\nHi")
+    assert text == "<|im_start|>user\nHi"
+    assert bos.encode(text).count(bos.bos_token_id) == 1

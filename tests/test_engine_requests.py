@@ -218,7 +218,7 @@ def test_no_block_leaks_after_mixed_endings_and_preemption(make_engine, tiny_mod
     (b"\xff\xfe bad bytes", {}, "not valid UTF-8"),
     ([1, 2, 10**9], {}, "token ids"),
     ("word " * 1100, {}, "max_model_len"),
-    ("hello", {"max_tokens": 1024}, "max_model_len"),
+    ("hello", {"max_tokens": 1000, "min_tokens": 1024}, "min_tokens"),
     ("hello", {"max_tokens": 300}, "whole KV cache"),
 ])
 def test_bad_request_fails_alone_with_clear_error(make_engine, tiny_model_dir, prompt, params, message):

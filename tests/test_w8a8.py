@@ -108,6 +108,8 @@ def test_w8a8_gemm_of_infinite_and_tiny_activations_is_the_float_products(m):
     got = kernels.cpu.int8_gemm(x, packed, int8_activations=True)
     # +-inf by each weight's sign; NaN for a weight rounded to 0, as inf * 0
     torch.testing.assert_close(got[0], want[0].float(), rtol=0, atol=0, equal_nan=True)
+    x[0, 6] = float("inf")  # inf - inf in one group: NaN (the group's integer sum cannot say which sign met which)
+    assert kernels.cpu.int8_gemm(x, packed, int8_activations=True)[0].isnan().all()
     tiny = torch.zeros(m, 128)
     tiny[:, 0], tiny[:, 3], tiny[:, 70] = 1e-37, -3e-38, 2e-39
     want = tiny.double() @ dequantized.T

@@ -309,7 +309,7 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     activations use groups of 32), and multiplied with AVX512-VNNI's ``vpdpbusd``: each group's sum is exact in
     int32, scaled by its activation scale and added in fp32 in k order, then scaled per output. Each row is rounded
     on its own, so a row's result does not depend on the others. An infinite activation gives +-inf (or NaN) as the
-    float product would; activations past about 1e34 in magnitude overflow a group's scaled sum (inf) before the
+    float product would (a group of 64 k holding both +inf and -inf gives NaN); activations past about 1e34 in magnitude overflow a group's scaled sum (inf) before the
     weights' scale is applied, where the float product might not (hidden states are many orders below that).
 
     Args:

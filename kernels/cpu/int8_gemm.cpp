@@ -287,7 +287,8 @@ inline void staged_group(const torch::Tensor& x, int64_t K, const int8_t* w, int
 // Rows x [M, K] (fp32 or bf16; K % W8A8_GROUP == 0) rounded to int8 per group of W8A8_GROUP k: q[m][k] =
 // round(x[m][k] * (127 / a)) (ties to even, |q| <= 127), scales[m][g] = a / 127 (1 for an all-zero group), a = max |x|
 // over the group (NaN where the group holds a NaN, so that the results are NaN as x's float product would be; where
-// it holds an infinity, q is +-127 there and 0 elsewhere, the scale inf: the results are +-inf, or NaN, as x's are);
+// it holds infinities of one sign, q is +-127 there and 0 elsewhere, the scale inf: the results are +-inf, or NaN for
+// a weight of 0, as x's are; infinities of both signs make the scale NaN);
 // scales [M, K / W8A8_GROUP]. starts[m][g] = -128 * sum_{k in g} q[m][k]: the group's sum in w8a8_block starts there,
 // which takes off what the weights' offset of 128 adds (only the vector kernel's: starts is null for the AMX tiles,
 // whose tdpbssd multiplies signed bytes).
@@ -297,12 +298,15 @@ inline void quantize_groups_s8(const T* x, int64_t M, int64_t K, int8_t* q, floa
     for (int64_t i = begin; i < end; ++i) {  // group i: row i / (K / W8A8_GROUP), at x + i * W8A8_GROUP
       const T* v = x + i * W8A8_GROUP;
       float amax = 0.f;
-      bool nan = false;
+      bool nan = false, pos_inf = false, neg_inf = false;
       for (int64_t k = 0; k < W8A8_GROUP; ++k) {
-        const float a = std::fabs(to_float(v[k]));
+        const float value = to_float(v[k]), a = std::fabs(value);
         amax = std::max(amax, a);
         nan |= a != a;
+        pos_inf |= value == std::numeric_limits<float>::infinity();
+        neg_inf |= value == -std::numeric_limits<float>::infinity();
       }
+      nan |= pos_inf && neg_inf;  // inf - inf: the group's sum cannot tell which weights met which sign
       scales[i] = nan ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? amax / 127.f : 1.f;
       float inv = amax > 0.f ? 127.f / amax : 0.f;
       // A group below about 3.7e-37 (127 / amax past fp32's range): both scaled by 2^64 first, exactly.

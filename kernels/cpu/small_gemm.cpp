@@ -224,7 +224,7 @@ inline void fma_block(const float* x, int64_t K, int64_t kc, const float* w, int
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = accumulate ? _mm512_loadu_ps(c + m * 64 + 16 * j) : _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    for (int64_t b = 0; b < pf_blocks; ++b)
+    for (int64_t b = 0; pf && b < pf_blocks; ++b)
       prefetch_share(pf + b * stride * static_cast<int64_t>(sizeof(float)), pf_lines, pf_step, k);
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * stride + 16 * k);
