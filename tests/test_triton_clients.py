@@ -121,7 +121,9 @@ def test_genai_perf_kserve_vllm_request_shape(triton_server, version):
     sampling = json.dumps({"max_tokens": "12", "min_tokens": "12"})
     got = stream(triton_server, {"text_input": [CHAT_PROMPT], "exclude_input_in_output": [True], "stream": [True],
                                  "sampling_parameters": [sampling]}, version=version)
-    assert len(ids(got)) == 12 and len(got) == 12  # min_tokens held EOS off; one response per token
+    # min_tokens held EOS off; a response per token, unless the sender fell behind the engine and merged some
+    # (backend.outputs.coalesce: a loaded 2-core machine does)
+    assert len(ids(got)) == 12 and 1 < len(got) <= 12
     assert not joined(got).startswith(CHAT_PROMPT)
 
 
