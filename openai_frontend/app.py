@@ -159,6 +159,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
         prompts = body.prompts
         check_completion_count(len(prompts), body.n, config.limits)
         name, version = await resolve(triton, body.model)
+        if body.add_special_tokens is False:  # vLLM's: text prompts without the tokenizer's BOS and the like
+            tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name,
+                                                version)
+            limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)
+            prompts = await render_token_ids(tokenizer, prompts, limit, add_special_tokens=False)
         # echo with max_tokens 0 scores the prompt alone (as vLLM: one token is generated and dropped).
         echo_only = bool(body.echo) and body.max_tokens == 0
         max_tokens = 1 if echo_only else body.max_tokens if body.max_tokens is not None else 16

@@ -135,7 +135,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    add_special_tokens: bool | None = None  # vLLM's; true (its default) only: the tokenizer's BOS and the like
+    add_special_tokens: bool | None = None  # vLLM's: false tokenizes text prompts without the tokenizer's BOS
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -150,10 +150,6 @@ class CompletionRequest(_Sampling):
     def check(self) -> None:
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", "unsupported_parameter", "suffix")
-        if self.add_special_tokens is False:
-            raise OpenAIError(400, "add_special_tokens false is not supported for completions: a text prompt is "
-                                   "tokenized with the tokenizer's special tokens (send token ids for another "
-                                   "start)", "unsupported_parameter", "add_special_tokens")
         self.check_defaults()
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise OpenAIError(400, "best_of other than n is not supported", "unsupported_parameter", "best_of")

@@ -263,8 +263,6 @@ HI = [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", {"messages": HI, "echo": True}, "echo", "unsupported_parameter", "echo is not supported"),
     ("/v1/completions", {"prompt": "hi", "return_token_ids": True}, "return_token_ids", "unsupported_parameter",
      "return_token_ids True is not supported"),
-    ("/v1/completions", {"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", "unsupported_parameter",
-     "add_special_tokens false is not supported for completions"),
     ("/v1/chat/completions", {"messages": HI, "bogus": 1}, "bogus", "invalid_request",
      "Unrecognized request argument supplied: bogus"),
 ])
