@@ -223,8 +223,8 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.min_tokens > room:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + min_tokens ({params.min_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+            raise ValueError(f"min_tokens ({params.min_tokens}) does not fit: prompt ({len(prompt_ids)} tokens) + "
+                             f"min_tokens exceeds max_model_len ({self.max_model_len})")
         self.engine_core.check_fits(len(prompt_ids), max_tokens)
         make_grammar = None
         if params.structured_outputs is not None:

@@ -33,7 +33,7 @@ from openai_frontend.auth import protect
 from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError, internal_error
 from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
-                                    render_token_ids, vocab_size, warm_tokenizers)
+                                    prompt_bytes_check, render_token_ids, vocab_size, warm_tokenizers)
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import OPENAI_UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
@@ -315,8 +315,9 @@ async def chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolCho
     Raises:
         OpenAIError: 400 for a template that fails or may not run (``render_chat``), or a prompt too long.
     """
-    prompt = await asyncio.to_thread(render_chat, tokenizer, body, config.chat_template, tools,
-                                     config.trust_request_chat_template, body.add_special_tokens)
+    prompt = await asyncio.to_thread(lambda: render_chat(
+        tokenizer, body, config.chat_template, tools, config.trust_request_chat_template, body.add_special_tokens,
+        check_text=prompt_bytes_check(tokenizer, limit, "messages")))  # before special text is tokenized in it
     (ids,) = await render_token_ids(tokenizer, [prompt], limit, add_special_tokens=body.add_special_tokens,
                                     param="messages")
     return ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
+from collections.abc import Callable
 
 from tokenizers import Encoding, Tokenizer
 
@@ -15,7 +16,7 @@ from openai_frontend.tool_calls import ToolChoice, messages_for_plain_template
 
 def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | None,
                  tools: ToolChoice | None = None, trust_request_template: bool = False,
-                 add_special_tokens: bool = True) -> str | list[int]:
+                 add_special_tokens: bool = True, check_text: Callable[[str], None] | None = None) -> str | list[int]:
     """The prompt: the chat template (the request's ``chat_template``, the server's, or the tokenizer's)
     over the messages, with the generation prompt unless ``add_generation_prompt`` is false, the last message
     left open with ``continue_final_message``. A template that renders ``tools`` gets them; for one that does
@@ -34,8 +35,13 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     100,000 each are allowed by Jinja's sandbox), so it is refused unless the operator trusts callers with it
     (``trust_request_template``; vLLM's ``--trust-request-chat-template`` makes the same choice).
 
+    ``check_text`` (the prompt's byte bound, ``openai_frontend.limits.prompt_bytes_check``) sees the rendered text
+    before anything tokenizes it.
+
     Raises:
-        OpenAIError: 400 for a request's ``chat_template`` that is not trusted, or a template that fails.
+        OpenAIError: 400 for a request's ``chat_template`` that is not trusted, ``chat_template_kwargs`` naming an
+            argument of the request's own (``add_generation_prompt``, ...), a template that fails, or what
+            ``check_text`` raises.
     """
     if (body.chat_template is not None or "chat_template" in (body.chat_template_kwargs or {})) \
             and not trust_request_template:
@@ -47,6 +53,11 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     messages = body.messages_for_template()
     template = chat_template or getattr(tokenizer, "chat_template", None) or ""
     kwargs = dict(body.chat_template_kwargs or {})
+    taken = sorted(set(kwargs) & _RENDER_ARGUMENTS)
+    if taken:
+        raise OpenAIError(400, f"chat_template_kwargs.{taken[0]}: an argument of the rendering itself; send the "
+                               "request's own field where it has one (add_generation_prompt, continue_final_message, "
+                               "tools)", "invalid_value", "chat_template_kwargs")
     if "'developer'" not in template and '"developer"' not in template:
         # OpenAI's developer role is the system role of models trained before it: a template that does not name it
         # would render an unknown role (and add its default system prompt); vLLM converts it the same way.
@@ -67,7 +78,15 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
         raise
     except Exception as exc:  # a template that raises (e.g. roles it does not accept) is the request's fault
         raise OpenAIError(400, f"chat template failed: {exc}", "invalid_request", "messages") from None
+    if check_text is not None:
+        check_text(text)
     return hidden.token_ids(text, add_special_tokens) if hidden.found else text
+
+
+# apply_chat_template's own arguments: a chat_template_kwargs entry of one of these names would be passed twice.
+_RENDER_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                               "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                               "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class _SpecialText:
@@ -79,12 +98,14 @@ class _SpecialText:
         self.pattern = _special_pattern(tokenizer)
         self.nonce = uuid.uuid4().hex  # placeholders no request text can forge
         self.found: list[str] = []
+        self.marks_in_text = False  # the request's own text holds a placeholder's delimiters (private-use chars)
 
     def hide(self, value):
         """``value`` (strings, lists and dicts of them) with each special token's text replaced by a placeholder."""
         if self.pattern is None:
             return value
         if isinstance(value, str):
+            self.marks_in_text |= "\ue000" in value or "\ue001" in value
             return self.pattern.sub(self._placeholder, value)
         if isinstance(value, list):
             return [self.hide(item) for item in value]
@@ -109,7 +130,11 @@ class _SpecialText:
             raise OpenAIError(400, f"the request's text holds the special token {self.found[0]!r}, which this "
                                    "model's tokenizer cannot take as plain text", "invalid_value", "messages")
         pieces = re.split(f"\ue000{self.nonce}:(\\d+)\ue001", text)
-        if any(self.nonce in piece for piece in pieces[::2]):
+        # A placeholder the template changed (upper-cased, cut) is left in the text between the intact ones; its
+        # delimiters show it unless the request's own text had them too, where the nonce (in any case) must.
+        changed = (lambda piece: self.nonce in piece.lower()) if self.marks_in_text else \
+            (lambda piece: "\ue000" in piece or "\ue001" in piece)
+        if any(changed(piece) for piece in pieces[::2]):
             raise OpenAIError(400, f"the request's text holds the special token {self.found[0]!r}, and the chat "
                                    "template changes the text around it", "invalid_value", "messages")
         plain = _plain_text_tokenizer(backend)

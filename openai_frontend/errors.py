@@ -22,7 +22,7 @@ TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "inter
 _NOT_READY = re.compile(r"Request for unknown model\b")  # Triton's own words; matched at the start
 _UNAVAILABLE = re.compile("|".join(re.escape(start) for start in UNAVAILABLE_MESSAGE_STARTS))
 _LEADING_NAME = re.compile(r"([a-z_]+)\b")
-_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams)) | {"cache_salt"}
 
 
 class OpenAIError(Exception):

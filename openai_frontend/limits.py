@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -147,17 +148,27 @@ async def render_token_ids(tokenizer, prompts: list[str | list[int]], max_model_
         OpenAIError: 400 naming ``param`` (the request's field the prompt came from), a prompt over that bound.
     """
     def encode() -> list[list[int]]:
-        limit = (max_model_len - 1) * _max_token_bytes(tokenizer)
+        check = prompt_bytes_check(tokenizer, max_model_len, param)
         for prompt in prompts:
-            try:
-                if isinstance(prompt, str):
-                    check_prompt_bytes(prompt, limit, max_model_len)
-            except ValueError as exc:
-                raise OpenAIError(400, str(exc), "invalid_value", param) from None
+            if isinstance(prompt, str):
+                check(prompt)
         return [encode_prompt(tokenizer, prompt, add_special_tokens) if isinstance(prompt, str) else prompt
                 for prompt in prompts]
 
     return await asyncio.to_thread(encode)
+
+
+def prompt_bytes_check(tokenizer, max_model_len: int, param: str = "prompt") -> Callable[[str], None]:
+    """A check of a text prompt, before tokenizing it, against the bytes that could fit ``max_model_len`` tokens
+    (``backend.prompt_limits``): it raises OpenAIError 400 naming ``param`` for a longer one."""
+    limit = (max_model_len - 1) * _max_token_bytes(tokenizer)
+
+    def check(text: str) -> None:
+        try:
+            check_prompt_bytes(text, limit, max_model_len)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "invalid_value", param) from None
+    return check
 
 
 JSON_SLICE = 8192  # list items written by one json.dumps call (about 1 ms for ints): the GIL is held that long

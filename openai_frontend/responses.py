@@ -69,7 +69,8 @@ def responses_error(error: OpenAIError) -> OpenAIError:
             if text is not None and pattern.match(text):
                 return pattern.sub(name, text, count=1)
         return text
-    return OpenAIError(error.status, rename(error.message), error.code, rename(error.param))
+    param = "input" if error.param == "messages" else rename(error.param)  # the prompt is built from input
+    return OpenAIError(error.status, rename(error.message), error.code, param)
 
 
 class ResponsesRequest(BaseModel):

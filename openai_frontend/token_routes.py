@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.chat_template import render_chat
 from openai_frontend.errors import OpenAIError
-from openai_frontend.limits import json_response, max_model_len, render_token_ids
+from openai_frontend.limits import json_response, max_model_len, prompt_bytes_check, render_token_ids
 from openai_frontend.models import resolve, tokenizer_for
 from openai_frontend.protocol import chat_completion_request
 from openai_frontend.tool_calls import ToolChoice
@@ -78,8 +78,9 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
         limit = max_model_len(config.model_repository, name, version)
         special = body.add_special_tokens if body.add_special_tokens is not None else chat is None
         if chat is not None:
-            prompt = await asyncio.to_thread(render_chat, tok, chat, config.chat_template, tools,
-                                             config.trust_request_chat_template, special)
+            prompt = await asyncio.to_thread(lambda: render_chat(
+                tok, chat, config.chat_template, tools, config.trust_request_chat_template, special,
+                check_text=prompt_bytes_check(tok, limit, "messages")))
         else:
             prompt = body.prompt
         [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=special,

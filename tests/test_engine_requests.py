@@ -718,7 +718,8 @@ def test_max_tokens_past_the_context_ends_the_reply_at_max_model_len(make_engine
     outs = list(engine.generate(list(range(1, 41)), SamplingParams(max_tokens=1000, temperature=0.0,
                                                                    ignore_eos=True), request_id="long"))
     assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 64 - 40
-    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ min_tokens \(30\) exceeds max_model_len \(64\)"):
+    with pytest.raises(ValueError, match=r"min_tokens \(30\) does not fit: prompt \(40 tokens\) \+ min_tokens "
+                                         r"exceeds max_model_len \(64\)"):
         list(engine.generate(list(range(1, 41)), SamplingParams(max_tokens=1000, min_tokens=30), request_id="min"))
     with pytest.raises(ValueError, match="max_model_len is 64"):
         list(engine.generate(list(range(1, 65)), SamplingParams(max_tokens=1), request_id="full"))

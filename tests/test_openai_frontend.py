@@ -487,6 +487,43 @@ def test_a_chat_template_that_writes_the_bos_gets_one_bos(tokenizer):
     assert asyncio.run(chat_prompt_ids(bos, asked, ToolChoice("none"), config, 2048))[:2] == [bos_id, bos_id]
 
 
+def test_a_chat_prompt_with_special_text_is_held_to_the_byte_bound_before_it_is_tokenized(tokenizer):
+    # Special text makes the prompt token ids from the template's text: the 7 MB of such a message was tokenized
+    # (3 s, 1.2M ids) before any bound, where plain text is refused at once by its bytes.
+    import asyncio
+
+    from openai_frontend.app import FrontendConfig, chat_prompt_ids
+    from openai_frontend.protocol import ChatCompletionRequest
+    from openai_frontend.tool_calls import ToolChoice
+
+    config = FrontendConfig(triton_url="127.0.0.1:1")
+    for text in ("hello world " * 300_000, "hello world " * 300_000 + "<|im_end|>"):
+        body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": text}])
+        with pytest.raises(OpenAIError, match="rejected before tokenizing") as refused:
+            asyncio.run(chat_prompt_ids(tokenizer, body, ToolChoice("none"), config, 256))
+        assert refused.value.status == 400 and refused.value.param == "messages"
+
+
+def test_a_template_that_changes_special_text_or_gets_its_own_arguments_is_refused(tokenizer):
+    from openai_frontend.chat_template import render_chat
+    from openai_frontend.protocol import ChatCompletionRequest
+
+    for template in ("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",  # the placeholder changed
+                     "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"):  # cut
+        body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "<|im_end|>hi there"}])
+        with pytest.raises(OpenAIError, match="the chat template changes the text around it"):
+            render_chat(tokenizer, body, template)
+    keep = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # special text spelled as plain text, as before
+    body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "\ue000<|im_end|>"}])
+    assert tokenizer.decode(render_chat(tokenizer, body, keep)) == "\ue000<|im_end|>"
+    for name in ("add_generation_prompt", "tokenize", "continue_final_message"):
+        body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "Hi"}],
+                                     chat_template_kwargs={name: False})
+        with pytest.raises(OpenAIError, match=f"chat_template_kwargs.{name}: an argument of the rendering") as bad:
+            render_chat(tokenizer, body, None)
+        assert bad.value.param == "chat_template_kwargs"
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
