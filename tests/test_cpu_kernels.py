@@ -193,7 +193,8 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
 def test_small_gemm_fp32_rows_do_not_depend_on_their_batch(rows):
     """fp32 prompts go through small_gemm in slices of rows (the model's numbers must not depend on what shares a
     step): a row's output is bit-identical alone and in a call of many rows, also where K runs in chunks past
-    1024 (AVX-512: two and three chunks, the last partial) and where the last group of outputs is short (80 = 64 + 16)."""
+    1024 (AVX-512: of 64 k up to 64 rows, 128 past them; 2500 leaves a partial last one) and where the last group of
+    outputs is short (80 = 64 + 16)."""
     if not kernels.cpu.small_gemm_available(torch.float32):
         pytest.skip("no fp32 small_gemm on this CPU (AVX-512 or AVX2)")
     torch.manual_seed(rows)

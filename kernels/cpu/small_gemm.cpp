@@ -47,8 +47,11 @@ namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
 constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
-// fp32 on AVX-512 over several passes of 6 rows: k per chunk of a group's weights (small_gemm_fp32_chunked), 256 KiB.
-constexpr int64_t VECTOR_K_CHUNK = 1024;
+// fp32 on AVX-512 over more than one pass of 6 rows, K past VECTOR_CHUNK_MIN_K: K in chunks (small_gemm_fp32_chunked)
+// of 64 k up to 64 rows (16 KiB of a group's weights, which stay in L1 over a decode step's few passes) and of 128
+// past them (prompt slices: half the stores and reloads of the sums).
+constexpr int64_t VECTOR_CHUNK_MIN_K = 1024;
+inline int64_t vector_k_chunk(int64_t rows) { return rows <= 64 ? 64 : 128; }
 // On AVX2 (16 registers, 8 lanes; fp32, and bf16 widened to fp32): up to AVX2_STREAM_ROWS rows stream each group of
 // weights once, one or two rows at a time; past them, 6-row register blocks (small_gemm_avx2_rows), any number of rows.
 constexpr int64_t AVX2_STREAM_ROWS = 4;
@@ -547,14 +550,15 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
 #endif
 
 #if LLM_HAVE_AVX512
-// fp32 on AVX-512 over more than one pass of 6 rows where a group's weights (K x 64 fp32: 256 bytes per k) would not
-// stay in L2 from one pass to the next (the 1.7B shape's down projection, K = 8192, reads 2 MiB per group): as
-// small_gemm_vector, with K in chunks of VECTOR_K_CHUNK (256 KiB of a group's weights), each chunk read by every
-// pass of 6 rows before the next (the loop order of BLIS, Van Zee & van de Geijn, ACM TOMS 2015, sec. 4), the sums of
-// all M rows kept in c between chunks. The weights the next chunk's first pass reads (the group's next chunk, else the
-// first chunk of the group the thread most likely takes next) are prefetched into L2 over the passes, a share per
-// pass. Each output's sum runs in k order in one accumulator, stored and reloaded exactly between chunks: the bits are
-// small_gemm_vector's, and one row's alone (batch invariance).
+// fp32 on AVX-512 over more than one pass of 6 rows where K is past VECTOR_CHUNK_MIN_K: a group's weights (K x 64
+// fp32: 256 bytes per k; the 1.7B shape's down projection, K = 8192, 2 MiB) would be read from L2 or beyond by every
+// pass. As small_gemm_vector, with K in chunks of vector_k_chunk k (16 or 32 KiB of the group's weights, in L1),
+// each chunk read by every pass of 6 rows before the next (the loop order of BLIS, Van Zee & van de Geijn, ACM TOMS
+// 2015, sec. 4: the micro-panel of weights in L1), the sums of all M rows kept in c between chunks. The weights the
+// next chunk's first pass reads (the group's next chunk, else the first chunk of the group the thread most likely
+// takes next) are prefetched over the passes, a share per pass. Each output's sum runs in k order in one
+// accumulator, stored and reloaded exactly between chunks: the bits are small_gemm_vector's, and one row's alone
+// (batch invariance).
 static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                                     c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
@@ -563,7 +567,7 @@ static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::T
   const float* ws = packed.data_ptr<float>();
   const float* bs = bias ? bias->data_ptr<float>() : nullptr;
   float* ys = out.data_ptr<float>();
-  const int64_t groups = (NB + 3) / 4, passes = (M + 5) / 6;
+  const int64_t groups = (NB + 3) / 4, passes = (M + 5) / 6, chunk = vector_k_chunk(M);
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
@@ -573,12 +577,12 @@ static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::T
     for (int64_t g = taken.fetch_add(1); g < groups; g = taken.fetch_add(1)) {
       const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0), next = g + threads;
       const float* w = ws + nb0 * stride;
-      for (int64_t k0 = 0; k0 < K; k0 += VECTOR_K_CHUNK) {
-        const int64_t kc = std::min(VECTOR_K_CHUNK, K - k0);
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t kc = std::min(chunk, K - k0);
         const bool last = k0 + kc == K;
         const float* pf_w = !last ? w + (k0 + kc) * 16 : next < groups ? ws + 4 * next * stride : nullptr;
         const int64_t pf_blocks = !last ? nbs : std::min<int64_t>(4, NB - 4 * next);
-        const int64_t pf_lines = pf_w ? (last ? std::min(VECTOR_K_CHUNK, K) : std::min(VECTOR_K_CHUNK, K - k0 - kc))
+        const int64_t pf_lines = pf_w ? (last ? std::min(chunk, K) : std::min(chunk, K - k0 - kc))
                                             * 16 * static_cast<int64_t>(sizeof(float)) / 64 : 0;  // per block
         for (int64_t pass = 0, m0 = 0; m0 < M; ++pass, m0 += 6) {
           const int64_t first = pass * pf_lines / passes, share = (pass + 1) * pf_lines / passes - first;
@@ -620,7 +624,7 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
     if (x.size(0) > AVX2_STREAM_ROWS) return small_gemm_avx2_rows<float>(out, x, packed, bias);
 #endif
 #if LLM_HAVE_AVX512
-    if (x.size(0) > 6 && x.size(1) > VECTOR_K_CHUNK) return small_gemm_fp32_chunked(out, x, packed, bias);
+    if (x.size(0) > 6 && x.size(1) > VECTOR_CHUNK_MIN_K) return small_gemm_fp32_chunked(out, x, packed, bias);
 #endif
     return small_gemm_vector<float>(out, x, packed, bias);
   }
