@@ -150,8 +150,17 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         created = int(time.time())
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "triton"} for model_id in await model_ids(triton)]}
+        data = []
+        for model_id in await model_ids(triton):
+            entry = {"id": model_id, "object": "model", "created": created, "owned_by": "triton"}
+            name, _, version = model_id.partition("/")
+            try:  # vLLM's field, which clients size their requests by; left out where the repository cannot tell
+                entry["max_model_len"] = await asyncio.to_thread(max_model_len, config.model_repository, name,
+                                                                 version)
+            except Exception as exc:  # noqa: BLE001 - a model whose config cannot be read here
+                log.warning("max_model_len of %s unknown to the frontend: %s", model_id, exc)
+            data.append(entry)
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

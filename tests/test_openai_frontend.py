@@ -53,6 +53,11 @@ def test_health_and_models_list_every_served_version(frontend, client):
     assert requests.get(f"{frontend}/health", timeout=10).json() == {"status": "ok"}
     ids = [m.id for m in client.models.list().data]
     assert ids == ["llm", "llm/1", "llm/2"]
+    # vLLM's max_model_len, which clients size requests by: the one each version's engine runs with
+    lengths = {m["id"]: m["max_model_len"] for m in requests.get(f"{frontend}/v1/models", timeout=60).json()["data"]}
+    for model_id in ids:
+        tokenized = requests.post(f"{frontend}/tokenize", json={"model": model_id, "prompt": "Hi"}, timeout=60)
+        assert lengths[model_id] == tokenized.json()["max_model_len"] > 0
 
 
 @pytest.mark.server
