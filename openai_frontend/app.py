@@ -30,10 +30,10 @@ from backend.fan_in import Completion, FanIn
 from backend.prompt_limits import encode_prompt
 from openai_frontend import metrics
 from openai_frontend.auth import protect
-from openai_frontend.chat_template import render_chat
+from openai_frontend.chat_template import chat_prompt_ids
 from openai_frontend.errors import OpenAIError, internal_error
 from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
-                                    prompt_bytes_check, render_token_ids, vocab_size, warm_tokenizers)
+                                    render_token_ids, vocab_size, warm_tokenizers)
 from openai_frontend.models import model_ids, resolve, tokenizer_for
 from openai_frontend.protocol import OPENAI_UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
@@ -232,7 +232,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice, name: str,
                                version: str) -> list[int]:
         limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
-        return await chat_prompt_ids(tokenizer, body, tools, config, limit)
+        return await chat_prompt_ids(tokenizer, body, tools, config.chat_template, config.trust_request_chat_template,
+                                     limit)
 
     # vLLM's render endpoints: the token ids the engine will compute for a request, without running it. The
     # Gateway API Inference Extension's endpoint picker (llm-d token-producer) tokenizes prompts through them
@@ -250,7 +251,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
             if bad is not None:
                 raise OpenAIError(400, f"prompt token ids must be integers in [0, {vocab}), got {bad}",
                                   "invalid_value", "prompt")
-        ids = await render_token_ids(tokenizer, prompts, max_model_len(config.model_repository, name, version))
+        limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
+        ids = await render_token_ids(tokenizer, prompts, limit)
         return await json_response([{"token_ids": token_ids} for token_ids in ids])
 
     @app.post("/v1/chat/completions/render")
@@ -313,23 +315,6 @@ async def _prompt_logprobs_first(events: AsyncIterator[tuple[int, Delta]]) -> As
                 yield prompt_index, delta
     finally:
         await events.aclose()
-
-
-async def chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice, config: FrontendConfig,
-                          limit: int) -> list[int]:
-    """The chat prompt's token ids, as the model gets them: the template's text tokenized here without the
-    tokenizer's own special tokens (``add_special_tokens``, false by default as at vLLM): a template that writes
-    the BOS itself (Llama 3, Mistral, Gemma) would otherwise start with two. ``limit``: the model's max_model_len.
-
-    Raises:
-        OpenAIError: 400 for a template that fails or may not run (``render_chat``), or a prompt too long.
-    """
-    prompt = await asyncio.to_thread(lambda: render_chat(
-        tokenizer, body, config.chat_template, tools, config.trust_request_chat_template, body.add_special_tokens,
-        check_text=prompt_bytes_check(tokenizer, limit, "messages")))  # before special text is tokenized in it
-    (ids,) = await render_token_ids(tokenizer, [prompt], limit, add_special_tokens=body.add_special_tokens,
-                                    param="messages")
-    return ids
 
 
 async def _merged(triton: TritonLLM, name: str, version: str, prompts: list[str | list[int]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import uuid
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from tokenizers import Encoding, Tokenizer
 
 from openai_frontend.errors import OpenAIError
+from openai_frontend.limits import prompt_bytes_check, render_token_ids
 from openai_frontend.protocol import ChatCompletionRequest
 from openai_frontend.tool_calls import ToolChoice, messages_for_plain_template
 
@@ -29,7 +31,7 @@ def render_chat(tokenizer, body: ChatCompletionRequest, chat_template: str | Non
     cannot end their turn and open a system one (OpenAI's API treats such text the same way; vLLM's does not by
     default). Such a prompt is returned as its token ids (with the tokenizer's special tokens where
     ``add_special_tokens``); every other prompt as its text, which the chat route tokenizes the same way
-    (``openai_frontend.app.chat_prompt_ids``).
+    (``chat_prompt_ids``).
 
     A request's own template is Jinja code that runs in the frontend for as long as it likes (nested loops of
     100,000 each are allowed by Jinja's sandbox), so it is refused unless the operator trusts callers with it
@@ -142,6 +144,26 @@ class _SpecialText:
                      else backend.encode(piece, add_special_tokens=False)
                      for odd, piece in ((i % 2 == 1, p) for i, p in enumerate(pieces)) if piece]
         return backend.post_process(Encoding.merge(encodings), add_special_tokens=add_special_tokens).ids
+
+
+async def chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice | None,
+                          chat_template: str | None, trust_request_template: bool, limit: int) -> list[int]:
+    """The chat prompt's token ids, as the model gets them (the chat route, the render route, ``/tokenize``):
+    ``render_chat``'s text tokenized here, with the tokenizer's own special tokens only where the request's
+    ``add_special_tokens`` asks (false by default, as at vLLM): a template that writes the BOS itself (Llama 3,
+    Mistral, Gemma) would otherwise start with two. ``limit``: the model's max_model_len, in tokens; the
+    rendered text is held to its byte bound before anything tokenizes it.
+
+    Raises:
+        OpenAIError: 400 for a template that fails or may not run (``render_chat``), or a prompt too long
+            (param ``messages``).
+    """
+    prompt = await asyncio.to_thread(lambda: render_chat(
+        tokenizer, body, chat_template, tools, trust_request_template, body.add_special_tokens,
+        check_text=prompt_bytes_check(tokenizer, limit, "messages")))
+    (ids,) = await render_token_ids(tokenizer, [prompt], limit, add_special_tokens=body.add_special_tokens,
+                                    param="messages")
+    return ids
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from openai_frontend.chat_template import render_chat
+from openai_frontend.chat_template import chat_prompt_ids
 from openai_frontend.errors import OpenAIError
-from openai_frontend.limits import json_response, max_model_len, prompt_bytes_check, render_token_ids
+from openai_frontend.limits import json_response, max_model_len, render_token_ids
 from openai_frontend.models import resolve, tokenizer_for
 from openai_frontend.protocol import chat_completion_request
 from openai_frontend.tool_calls import ToolChoice
@@ -64,27 +64,25 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
     async def tokenize(body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "send prompt or messages, exactly one of them", "invalid_value", "prompt")
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
         chat = tools = None
         if body.messages is not None:  # checked as /v1/chat/completions checks them, before the model is looked up
             chat = chat_completion_request(model=body.model, messages=body.messages, tools=body.tools,
                                            chat_template=body.chat_template,
                                            chat_template_kwargs=body.chat_template_kwargs,
                                            add_generation_prompt=body.add_generation_prompt,
-                                           continue_final_message=body.continue_final_message)
+                                           continue_final_message=body.continue_final_message,
+                                           add_special_tokens=special)
             chat.check()
             tools = await asyncio.to_thread(ToolChoice.from_request, chat.tools, chat.tool_choice,  # checks schemas
                                             chat.parallel_tool_calls)
         tok, name, version = await tokenizer(body.model)
-        limit = max_model_len(config.model_repository, name, version)
-        special = body.add_special_tokens if body.add_special_tokens is not None else chat is None
+        limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
         if chat is not None:
-            prompt = await asyncio.to_thread(lambda: render_chat(
-                tok, chat, config.chat_template, tools, config.trust_request_chat_template, special,
-                check_text=prompt_bytes_check(tok, limit, "messages")))
+            ids = await chat_prompt_ids(tok, chat, tools, config.chat_template, config.trust_request_chat_template,
+                                        limit)
         else:
-            prompt = body.prompt
-        [ids] = await render_token_ids(tok, [prompt], limit, add_special_tokens=special,
-                                       param="prompt" if chat is None else "messages")
+            [ids] = await render_token_ids(tok, [body.prompt], limit, add_special_tokens=special)
         answer = {"count": len(ids), "max_model_len": limit, "tokens": ids}
         if body.return_token_strs:
             answer["token_strs"] = await asyncio.to_thread(tok.convert_ids_to_tokens, ids)

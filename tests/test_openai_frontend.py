@@ -471,7 +471,7 @@ def test_a_chat_template_that_writes_the_bos_gets_one_bos(tokenizer):
 
     from tokenizers import processors
 
-    from openai_frontend.app import FrontendConfig, chat_prompt_ids
+    from openai_frontend.chat_template import chat_prompt_ids
     from openai_frontend.protocol import ChatCompletionRequest
     from openai_frontend.tool_calls import ToolChoice
 
@@ -484,12 +484,11 @@ def test_a_chat_template_that_writes_the_bos_gets_one_bos(tokenizer):
                         "{% endfor %}<|im_start|>assistant\n"
     assert bos.encode("Hi")[0] == bos_id  # the tokenizer adds one
     body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "Hi"}])
-    config = FrontendConfig(triton_url="127.0.0.1:1")
-    ids = asyncio.run(chat_prompt_ids(bos, body, ToolChoice("none"), config, 2048))
+    ids = asyncio.run(chat_prompt_ids(bos, body, ToolChoice("none"), None, False, 2048))
     assert ids == bos.apply_chat_template(body.messages_for_template(), add_generation_prompt=True, tokenize=True,
                                           return_dict=False) and ids.count(bos_id) == 1
     asked = body.model_copy(update={"add_special_tokens": True})  # vLLM's add_special_tokens: the tokenizer's too
-    assert asyncio.run(chat_prompt_ids(bos, asked, ToolChoice("none"), config, 2048))[:2] == [bos_id, bos_id]
+    assert asyncio.run(chat_prompt_ids(bos, asked, ToolChoice("none"), None, False, 2048))[:2] == [bos_id, bos_id]
 
 
 def test_a_chat_prompt_with_special_text_is_held_to_the_byte_bound_before_it_is_tokenized(tokenizer):
@@ -497,15 +496,14 @@ def test_a_chat_prompt_with_special_text_is_held_to_the_byte_bound_before_it_is_
     # (3 s, 1.2M ids) before any bound, where plain text is refused at once by its bytes.
     import asyncio
 
-    from openai_frontend.app import FrontendConfig, chat_prompt_ids
+    from openai_frontend.chat_template import chat_prompt_ids
     from openai_frontend.protocol import ChatCompletionRequest
     from openai_frontend.tool_calls import ToolChoice
 
-    config = FrontendConfig(triton_url="127.0.0.1:1")
     for text in ("hello world " * 300_000, "hello world " * 300_000 + "<|im_end|>"):
         body = ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": text}])
         with pytest.raises(OpenAIError, match="rejected before tokenizing") as refused:
-            asyncio.run(chat_prompt_ids(tokenizer, body, ToolChoice("none"), config, 256))
+            asyncio.run(chat_prompt_ids(tokenizer, body, ToolChoice("none"), None, False, 256))
         assert refused.value.status == 400 and refused.value.param == "messages"
 
 
