@@ -199,22 +199,11 @@ class LLMEngine:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         params = params or SamplingParams()
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
-        if fairness_key is not None and (not isinstance(fairness_key, str)
-                                         or not 0 < len(fairness_key) <= MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"fairness_key must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
-        if params.n > self.config.max_n:
-            raise ValueError(f"n must be at most {self.config.max_n} (the engine's max_n), got {params.n}")
+        self.check_request(params, cache_salt, fairness_key)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens:]
-        vocab = self.model_config.vocab_size
-        outside = [t for t in params.token_ids_used() if t >= vocab]
-        if outside:
-            raise ValueError(f"token id {outside[0]} (in stop_token_ids, logit_bias or allowed_token_ids) is "
-                             f"outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one output token must fit)")
@@ -246,6 +235,27 @@ class LLMEngine:
                 self.output_processor.remove_request(parent)
                 raise
         return sink
+
+    def check_request(self, params: SamplingParams, cache_salt: str | None = None,
+                      fairness_key: str | None = None) -> None:
+        """The checks of :meth:`add_request` that need neither the prompt nor a compiled constraint: the
+        settings against the engine's limits (``max_n``, the vocabulary).
+
+        Raises:
+            ValueError: ``cache_salt`` or ``fairness_key`` not a string of 1-256 characters, ``n`` over
+                ``max_n``, a token id in ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids`` outside
+                the vocabulary.
+        """
+        for name, value in (("cache_salt", cache_salt), ("fairness_key", fairness_key)):
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS):
+                raise ValueError(f"{name} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be at most {self.config.max_n} (the engine's max_n), got {params.n}")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.token_ids_used() if t >= vocab]
+        if outside:
+            raise ValueError(f"token id {outside[0]} (in stop_token_ids, logit_bias or allowed_token_ids) is "
+                             f"outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Ends a request, or several (each with all its completions), with finish_reason ``abort`` at the next

@@ -22,10 +22,12 @@ ahead of the remaining prompts of a 256-prompt request that arrived before it; w
 request each) this is plain FCFS.
 
 With a step time budget (``max_step_ms``; Sarathi-Serve's token budget from a latency target, Agrawal et al.
-OSDI 2024, sec. 4.3), prefill work (new requests and chunks of long prompts) enters a step only up to what
-:class:`~backend.step_cost.StepCost`, fitted on the steps run so far, says fits beside the step's decodes, and at
-least ``block_size`` tokens of it, while requests of more than one fairness key are running or waiting (a lone
-request's prefill runs in full steps: there is nobody to keep waiting); decodes are never held back by it
+OSDI 2024, sec. 4.3), while requests of more than one fairness key are running or waiting (a lone request's
+prefill runs in full steps: there is nobody to keep waiting), prefill work (new requests and chunks of long
+prompts) enters a step only up to what :class:`~backend.step_cost.StepCost`, fitted on the steps run so far, says
+fits beside the step's decodes, and at least ``block_size`` tokens of it. While requests wait, running prompts'
+chunks leave at least ``block_size`` tokens of it to them: a short request is admitted beside a long prompt's
+chunks, not after them (at the floor such a step holds twice the floor). Decodes are never held back by it
 (``max_num_seqs`` bounds them).
 
 Speculative decoding (``num_speculative_tokens`` k > 0): a running request one token behind that
@@ -145,6 +147,11 @@ class Scheduler:
         """
         token_budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_budget()  # work units: prefill tokens, plus one per request
+        # Under a budget, running prompts' chunks leave the floor to the waiting queue: a new request is
+        # admitted beside a long prompt's chunks, not after them (the floor over the budget where both are).
+        floor = self.min_prefill_tokens + 1
+        reserve = floor if self.waiting and prefill_budget != float("inf") else 0
+        running_prefill = max(prefill_budget - reserve, floor) if reserve else prefill_budget
         charged: dict[str, int] = {}  # prefill units taken by each request scheduled this step
         scheduled: list[tuple[Request, int]] = []
         preempted = False
@@ -156,12 +163,13 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             if num_new > 1:  # a long prompt's next chunk: prefill work
-                num_new = min(num_new, prefill_budget - 1)
+                num_new = min(num_new, running_prefill - 1)
                 if num_new <= 0:
                     i += 1
                     continue
                 charged[request.request_id] = num_new + 1
                 prefill_budget -= num_new + 1
+                running_prefill -= num_new + 1
             if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
                 drafts = self._propose(request, token_budget)
                 if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
@@ -173,7 +181,9 @@ class Scheduler:
             while not self.kv.allocate_slots(request, num_new):
                 victim_index = max(range(len(self.running)), key=lambda j: (self.running[j].priority, j))
                 victim = self.running.pop(victim_index)
-                prefill_budget += charged.pop(victim.request_id, 0)
+                returned = charged.pop(victim.request_id, 0)
+                prefill_budget += returned
+                running_prefill += returned
                 if victim_index < i:  # passed already: give its tokens back (none if the budget skipped it)
                     k = next((k for k, (r, _) in enumerate(scheduled) if r is victim), None)
                     if k is not None:
@@ -188,6 +198,7 @@ class Scheduler:
                 token_budget -= num_new
                 i += 1
 
+        prefill_budget = max(prefill_budget, reserve)
         while not preempted and self.waiting and token_budget > 0:
             request = self.waiting[0]
             if len(self.running) >= self.max_num_seqs:

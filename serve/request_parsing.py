@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,7 +123,8 @@ def check_request_id(request_id: str) -> str:
 
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
-                  triton_timeout_us: int = 0, vocab_size: int | None = None) -> ParsedRequest:
+                  triton_timeout_us: int = 0, vocab_size: int | None = None,
+                  check: Callable[[ParsedRequest], None] | None = None) -> ParsedRequest:
     """Builds the engine's view of one Triton request.
 
     Sampling values are read, later ones winning, from the request ``parameters`` (Triton's generate
@@ -137,12 +139,17 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             the deadline when no ``timeout_ms`` is given.
         vocab_size: the model's vocabulary size: ``end_id`` outside it is refused under that name (other token
             ids are checked by the engine).
+        check: the engine's own checks of a request (``LLMEngine.check_request``), run on each request a value
+            that a later source replaced would have made: such a value must be valid on its own, never dropped
+            unread (the returned request itself is checked where the engine adds it).
 
     Raises:
         ValueError: a message naming the field: neither or both of ``text_input`` and ``input_ids``, bad or
             oversized JSON, a value of the
             wrong type or out of range (quoting the value sent), ``beam_width`` other than 1, a
-            ``timeout_ms`` that is not positive.
+            ``timeout_ms`` that is not positive; any of these, or what ``check`` raises, for a value that a
+            later source replaced (saying so); a constraint (``structured_outputs``) sent in two sources with
+            different values.
     """
     prompt = _prompt(inputs)
 
@@ -155,7 +162,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             values[key] = (_json_parameter(key, value) if key in JSON_PARAMETER_FIELDS
                            else _string_list_parameter(key, value) if key in STRING_LIST_FIELDS else value)
     values = _vllm_request_fields(values)
-    overridden: dict[str, object] = {}  # values that a later source replaces (see _check_overridden)
+    overridden: dict[str, object] = {}  # values that a later source replaces: checked all the same
     if "sampling_parameters" in inputs:
         fields = _vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"])))
         overridden.update((name, values[name]) for name in fields if name in values)
@@ -172,8 +179,39 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             if name in values:
                 overridden[name] = values[name]
             values[name] = [_text(name, s) for s in inputs[name].reshape(-1)]
-    _check_overridden(overridden, scalars)
+    parsed = _parsed(prompt, dict(values), inputs, returns, scalars, triton_timeout_us, vocab_size)
+    for name, value in overridden.items():  # each replaced value parsed as if it had been the only one
+        if value is None:  # not set
+            continue
+        if name in STRUCTURED_OUTPUTS_NAMES:
+            if _decoded(value) != _decoded(values[name]):
+                raise ValueError(f"{name} is sent in two sources with different constraints; send one")
+            continue
+        try:
+            replaced = _parsed(prompt, {**values, name: value}, inputs, returns, scalars, triton_timeout_us,
+                               vocab_size)
+            if check is not None:
+                check(replaced)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (where a later source, sampling_parameters or the {name} input, replaces "
+                             f"it)") from None
+    return parsed
 
+
+def _decoded(value: object) -> object:
+    """A constraint as sent: JSON text (a request parameter) decoded where it is JSON, else as it is."""
+    if isinstance(value, str):
+        try:
+            return _bounded_json("a constraint", value)
+        except ValueError:  # not JSON, or past the bounds: compared as text
+            return value
+    return value
+
+
+def _parsed(prompt: str | list[int], values: dict[str, object], inputs: dict[str, np.ndarray],
+            returns: frozenset[str], scalars: dict[str, type], triton_timeout_us: int,
+            vocab_size: int | None) -> ParsedRequest:
+    """The request of ``values`` (every source's values merged; consumed), as :func:`parse_request` describes."""
     stream = _flag(values.pop("stream", False), "stream")
     exclude = _flag(values.pop("exclude_input_in_output", False), "exclude_input_in_output")
     for name, kind in scalars.items():
@@ -242,31 +280,6 @@ def _string_list_parameter(name: str, value: object) -> object:
         if isinstance(decoded, list):
             return decoded
     return value
-
-
-def _check_overridden(overridden: dict[str, object], scalars: dict[str, type]) -> None:
-    """Each value that a later source replaced (``sampling_parameters`` a request parameter, a named input either)
-    must still be valid on its own: a bad value is refused wherever it was sent, never dropped unread.
-
-    Raises:
-        ValueError: the value's error, and which input replaced it.
-    """
-    for name, value in overridden.items():
-        if value is None:  # not set
-            continue
-        try:
-            if name in FLAG_INPUTS:
-                _flag(value, name)
-                continue
-            if name in scalars:
-                value = _coerce(name, value, scalars[name])
-            if name in INT32_INPUTS:
-                _check_int32(name, value)
-            if name in SAMPLING_FIELDS:
-                SamplingParams.from_dict({name: [value] if name == "stop" and isinstance(value, str) else value})
-        except ValueError as exc:
-            raise ValueError(f"{exc} (where a later source, sampling_parameters or the {name} input, replaces "
-                             f"it)") from None
 
 
 def _check_int32(name: str, value: object) -> None:

@@ -505,6 +505,28 @@ def test_a_long_prompt_is_chunked_by_the_step_time_budget_only_while_others_run(
     assert (alone.output_token_ids, alone.status) == expected_output(tokens(5, 100), 1)
 
 
+def test_a_short_request_is_admitted_beside_a_long_prompts_chunks_not_after_them():
+    """Under the budget a running long prompt's chunks leave the floor (block_size + 1 units) to the waiting
+    queue: a 3-token request sent while a 200-token prompt is being chunked is admitted in the next step, and
+    the long prompt keeps moving in that step too (its chunks used to take the whole budget until it was done)."""
+    sim = CoreSim(num_blocks=512, block_size=4, max_step_ms=30)
+    sim.add_prompt("warm", tokens(3, 40), max_tokens=1)
+    sim.run()
+    (stream,) = sim.add_prompt("stream", tokens(0, 2), max_tokens=80)
+    sim.step()
+    (long,) = sim.add_prompt("long", tokens(7, 200), max_tokens=2)
+    sim.step()
+    sim.step()
+    assert 0 < long.num_computed_tokens < 150  # chunked
+    (short,) = sim.add_prompt("short", tokens(60, 3), max_tokens=1)
+    out = sim.step()
+    scheduled = {s.request_id: s.num_scheduled_tokens for s in out.scheduled}
+    assert scheduled.get("short") == 3 and scheduled.get("long", 0) > 0 and "stream" in scheduled
+    sim.run()
+    assert (short.output_token_ids, short.status) == expected_output(tokens(60, 3), 1)
+    assert (long.output_token_ids, long.status) == expected_output(tokens(7, 200), 2)
+
+
 def test_step_cost_fits_the_base_and_the_cost_per_unit_of_noisy_steps():
     import random
 

@@ -249,6 +249,54 @@ def test_a_value_a_named_input_replaces_is_still_validated(json_value, message):
                       json_value)
 
 
+@pytest.mark.parametrize("parameters, sampling, message", [
+    ({"timeout_ms": -1}, {"timeout_ms": 1000}, "timeout_ms must be a positive number"),
+    ({"cache_salt": 5}, {"cache_salt": "b"}, "cache_salt must be a string"),
+    ({"stop_words": '["' + "x" * 300 + '"]'}, {"stop_words": ["a"]}, "stop_words has a string of"),
+    ({"end_id": 10**9}, {"end_id": 5}, "end_id is 1000000000, outside the vocabulary"),
+    ({"beam_width": 3}, {"beam_width": 1}, "beam_width must be 1"),
+    ({"random_seed": -5}, {"random_seed": 5}, "random_seed"),
+    ({"len_penalty": "inf"}, {"len_penalty": 1.0}, "len_penalty"),
+])
+def test_a_replaced_value_is_checked_as_if_it_were_the_only_one(parameters, sampling, message):
+    # Each value also alone: the same error, without the note.
+    with pytest.raises(ValueError, match=message) as alone:
+        parse_request(inputs(), parameters, vocab_size=49152)
+    assert "replaces" not in str(alone.value)
+    with pytest.raises(ValueError, match=f"{message}.*replaces it"):  # the good one, sent later, replaces it
+        parse_request(inputs(sampling_parameters=json.dumps(sampling)), parameters, vocab_size=49152)
+    parse_request(inputs(sampling_parameters=json.dumps(sampling)), {}, vocab_size=49152)  # good alone
+
+
+def test_a_replaced_value_goes_through_the_engines_checks(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_n=4)
+    vocab = engine.model_config.vocab_size
+
+    def check(parsed):
+        engine.check_request(parsed.params, parsed.cache_salt, parsed.fairness_key)
+
+    for parameters, sampling, message in [
+            ({"n": 5}, {"n": 1}, "n must be at most 4"),
+            ({"fairness_key": "a" * 300}, {"fairness_key": "b"}, "fairness_key must be a non-empty string"),
+            ({"logit_bias": json.dumps({str(vocab + 7): 100})}, {"logit_bias": {"30": 1}}, "outside the vocabulary")]:
+        with pytest.raises(ValueError, match=f"{message}.*replaces it"):
+            parse_request(inputs(sampling_parameters=json.dumps(sampling)), parameters, check=check)
+        kept = parse_request(inputs(sampling_parameters=json.dumps(sampling)), {}, check=check)
+        check(kept)  # the value that replaced it is good on its own
+    with pytest.raises(ValueError, match="n must be at most 4.*the n input, replaces it"):  # a named input's turn
+        parse_request(inputs(sampling_parameters=json.dumps({"n": 9}), n=2), {}, check=check)
+
+
+def test_a_constraint_sent_twice_must_be_the_same():
+    one = {"regex": "a+"}
+    parsed = parse_request(inputs(sampling_parameters=json.dumps({"structured_outputs": one})),
+                           {"structured_outputs": json.dumps(one)})
+    assert parsed.params.structured_outputs.regex == "a+"
+    with pytest.raises(ValueError, match="structured_outputs is sent in two sources with different constraints"):
+        parse_request(inputs(sampling_parameters=json.dumps({"structured_outputs": one})),
+                      {"structured_outputs": json.dumps({"regex": "("})})
+
+
 def test_request_parameters_carry_every_sampling_setting_and_bad_ones_are_refused():
     params = parse_request(inputs(), {"logit_bias": '{"30": 100}', "allowed_token_ids": "[30, 31]",
                                       "include_stop_str_in_output": True, "truncate_prompt_tokens": 1,

@@ -147,7 +147,7 @@ class TritonPythonModel:
             client_id = check_request_id(request.request_id() or "req")
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout(),
-                                   vocab_size=self.engine.model_config.vocab_size)
+                                   vocab_size=self.engine.model_config.vocab_size, check=self._check)
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
             if not isinstance(prefix, str):  # input_ids: the ids' text, once they are known to be ids of the vocabulary
@@ -178,6 +178,10 @@ class TritonPythonModel:
             log.exception("request rejected")
             _send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
             return str(exc)
+
+    def _check(self, parsed) -> None:
+        """The engine's checks of a request without queuing it (``parse_request`` runs them on replaced values)."""
+        self.engine.check_request(parsed.params, parsed.cache_salt, parsed.fairness_key)
 
     def _add(self, parsed, request_id: str, state: _InFlight) -> None:
         """Tokenizes and queues one request in the engine. Raises what ``LLMEngine.add_request`` raises."""
