@@ -192,13 +192,14 @@ def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):
 @pytest.mark.parametrize("rows", [7, 13, 100, 256])
 def test_small_gemm_fp32_rows_do_not_depend_on_their_batch(rows):
     """fp32 prompts go through small_gemm in slices of rows (the model's numbers must not depend on what shares a
-    step): a row's output is bit-identical alone and in a call of many rows, also where K runs in chunks past
-    1024 (AVX-512: of 64 k up to 64 rows, 128 past them; 2500 leaves a partial last one) and where the last group of
-    outputs is short (80 = 64 + 16)."""
+    step): a row's output is bit-identical alone and in a call of many rows, also where K runs in chunks (AVX-512:
+    of 64 k past 1024 up to 96 rows; of 128 past 96 rows, in blocks of 4 groups of 64 outputs, 1040 = 4 full blocks
+    and one group of 16; 2500 leaves a partial last chunk) and where the last group of outputs is short
+    (80 = 64 + 16)."""
     if not kernels.cpu.small_gemm_available(torch.float32):
         pytest.skip("no fp32 small_gemm on this CPU (AVX-512 or AVX2)")
     torch.manual_seed(rows)
-    for n, k in ((80, 1536), (64, 2500), (48, 512)):
+    for n, k in ((80, 1536), (64, 2500), (48, 512), (1040, 640)):
         packed = kernels.cpu.small_gemm_pack(torch.randn(n, k) * 0.05)
         bias = torch.randn(n)
         x = torch.randn(rows, k)

@@ -47,11 +47,15 @@ namespace {
 
 constexpr int64_t SMALL_GEMM_MAX_ROWS = 64;    // on AMX tiles
 constexpr int64_t VECTOR_GEMM_MAX_ROWS = 256;  // with vector multiply-adds / dot products (small_gemm_vector)
-// fp32 on AVX-512 over more than one pass of 6 rows, K past VECTOR_CHUNK_MIN_K: K in chunks (small_gemm_fp32_chunked)
-// of 64 k up to 64 rows (16 KiB of a group's weights, which stay in L1 over a decode step's few passes) and of 128
-// past them (prompt slices: half the stores and reloads of the sums).
+// fp32 on AVX-512 over more than one pass of 6 rows, K past VECTOR_CHUNK_MIN_K, up to PANEL_MIN_ROWS rows (decode
+// steps): K in chunks of VECTOR_K_CHUNK k (small_gemm_fp32_chunked; 16 KiB of a group's weights, which stay in L1
+// over the step's few passes). Past PANEL_MIN_ROWS rows (prompt slices), at any K: blocks of PANEL_GROUPS groups
+// of 64 outputs, K in chunks of PANEL_K_CHUNK (small_gemm_fp32_panels; 128 KiB of weights, in L2).
 constexpr int64_t VECTOR_CHUNK_MIN_K = 1024;
-inline int64_t vector_k_chunk(int64_t rows) { return rows <= 64 ? 64 : 128; }
+constexpr int64_t VECTOR_K_CHUNK = 64;
+constexpr int64_t PANEL_MIN_ROWS = 96;
+constexpr int64_t PANEL_GROUPS = 4;
+constexpr int64_t PANEL_K_CHUNK = 128;
 // On AVX2 (16 registers, 8 lanes; fp32, and bf16 widened to fp32): up to AVX2_STREAM_ROWS rows stream each group of
 // weights once, one or two rows at a time; past them, 6-row register blocks (small_gemm_avx2_rows), any number of rows.
 constexpr int64_t AVX2_STREAM_ROWS = 4;
@@ -550,11 +554,92 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
 #endif
 
 #if LLM_HAVE_AVX512
-// fp32 on AVX-512 over more than one pass of 6 rows where K is past VECTOR_CHUNK_MIN_K: a group's weights (K x 64
-// fp32: 256 bytes per k; the 1.7B shape's down projection, K = 8192, 2 MiB) would be read from L2 or beyond by every
-// pass. As small_gemm_vector, with K in chunks of vector_k_chunk k (16 or 32 KiB of the group's weights, in L1),
-// each chunk read by every pass of 6 rows before the next (the loop order of BLIS, Van Zee & van de Geijn, ACM TOMS
-// 2015, sec. 4: the micro-panel of weights in L1), the sums of all M rows kept in c between chunks. The weights the
+// Rows x[0..MB) (`xs` apart) against one group of 4 blocks of 16 outputs (blocks `stride` apart) over k in [0, kc),
+// into c (64-byte aligned, rows 64 apart), or added to it where `accumulate`: fma_block<MB, 4>'s arithmetic in the
+// same order, without its prefetching, for the prompt slices' panels (whose weights come from L2, not memory).
+// The plain loop matters there: fma_block's per-k prefetch bookkeeping cost about 8% of a 256-row layer.
+template <int MB>
+inline void fma_group(const float* __restrict x, int64_t xs, int64_t kc, const float* __restrict w, int64_t stride,
+                      float* __restrict c, bool accumulate) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = accumulate ? _mm512_load_ps(c + m * 64 + 16 * j) : _mm512_setzero_ps();
+  const float* w1 = w + stride;
+  const float* w2 = w + 2 * stride;
+  const float* w3 = w + 3 * stride;
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(w + 16 * k), b1 = _mm512_loadu_ps(w1 + 16 * k);
+    const __m512 b2 = _mm512_loadu_ps(w2 + 16 * k), b3 = _mm512_loadu_ps(w3 + 16 * k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * xs + k]);
+      acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(a, b2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(a, b3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(c + m * 64 + 16 * j, acc[m][j]);
+}
+
+// fp32 on AVX-512 past PANEL_MIN_ROWS rows (prompt slices): the loop order of BLIS (Van Zee & van de Geijn, ACM
+// TOMS 2015, sec. 4) with the roles of its operands as this layout has them: a thread takes a block of
+// PANEL_GROUPS groups of 64 outputs; per chunk of PANEL_K_CHUNK k, the block's weights for the chunk (128 KiB)
+// stay in L2 while every pass of 6 rows reads them, each pass's rows (6 x 512 bytes) in L1 across the block's
+// groups. The sums of all M rows of the block's outputs are kept in c between chunks. Each output's sum runs in
+// k order in one accumulator, stored and reloaded exactly between chunks: the bits of small_gemm_vector, and of
+// one row alone (batch invariance). On a 256-row slice of the 1.7B shape's layer, 1.02x oneDNN's fp32 GEMM's speed
+// where small_gemm_fp32_chunked's order gave 0.84x; below about 96 rows that order is as fast (docs/kernels.md).
+static void small_gemm_fp32_panels(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                                   c10::optional<torch::Tensor> bias) {
+  using namespace llm_cpu;
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16, stride = K * 16;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = out.data_ptr<float>();
+  const int64_t groups = (NB + 3) / 4, blocks = (groups + PANEL_GROUPS - 1) / PANEL_GROUPS;
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks)))
+  {
+    std::unique_ptr<float[]> c_storage(new float[PANEL_GROUPS * M * 64 + 16]);  // per group: M rows x 64 sums
+    float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c_storage.get()) + 63) & ~uintptr_t{63});
+    for (int64_t b = taken.fetch_add(1); b < blocks; b = taken.fetch_add(1)) {
+      const int64_t g0 = b * PANEL_GROUPS, g1 = std::min(groups, g0 + PANEL_GROUPS);
+      for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_CHUNK) {
+        const int64_t kc = std::min(PANEL_K_CHUNK, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+          const float* xm = xs + m0 * K + k0;
+          for (int64_t g = g0; g < g1; ++g) {
+            const int64_t nbs = std::min<int64_t>(4, NB - 4 * g);
+            const float* w = ws + 4 * g * stride + k0 * 16;
+            float* cm = c + (g - g0) * M * 64 + m0 * 64;
+            with_constant<6>(std::min<int64_t>(6, M - m0), [&](auto mb) {
+              constexpr int MB = decltype(mb)::value;
+              if (nbs == 4) fma_group<MB>(xm, K, kc, w, stride, cm, k0 > 0);
+              else for (int64_t j = 0; j < nbs; ++j)
+                fma_block<MB, 1>(xm, K, kc, w + j * stride, stride, cm + 16 * j, k0 > 0);
+            });
+          }
+        }
+      }
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
+        const float* cg = c + (g - g0) * M * 64;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < 16 * nbs; ++n)
+            ys[m * N + nb0 * 16 + n] = cg[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+      }
+    }
+  }
+}
+
+// fp32 on AVX-512 over more than one pass of 6 rows, up to PANEL_MIN_ROWS, where K is past VECTOR_CHUNK_MIN_K: a
+// group's weights (K x 64 fp32: 256 bytes per k; the 1.7B shape's down projection, K = 8192, 2 MiB) would be read
+// from L2 or beyond by every pass. As small_gemm_vector, with K in chunks of VECTOR_K_CHUNK k (16 KiB of the
+// group's weights, in L1), each chunk read by every pass of 6 rows before the next (the loop order of BLIS, Van Zee
+// & van de Geijn, ACM TOMS 2015, sec. 4: the micro-panel of weights in L1), the sums of all M rows kept in c between chunks. The weights the
 // next chunk's first pass reads (the group's next chunk, else the first chunk of the group the thread most likely
 // takes next) are prefetched over the passes, a share per pass. Each output's sum runs in k order in one
 // accumulator, stored and reloaded exactly between chunks: the bits are small_gemm_vector's, and one row's alone
@@ -567,7 +652,7 @@ static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::T
   const float* ws = packed.data_ptr<float>();
   const float* bs = bias ? bias->data_ptr<float>() : nullptr;
   float* ys = out.data_ptr<float>();
-  const int64_t groups = (NB + 3) / 4, passes = (M + 5) / 6, chunk = vector_k_chunk(M);
+  const int64_t groups = (NB + 3) / 4, passes = (M + 5) / 6, chunk = VECTOR_K_CHUNK;
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
   {
@@ -624,6 +709,7 @@ void small_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::o
     if (x.size(0) > AVX2_STREAM_ROWS) return small_gemm_avx2_rows<float>(out, x, packed, bias);
 #endif
 #if LLM_HAVE_AVX512
+    if (x.size(0) > PANEL_MIN_ROWS) return small_gemm_fp32_panels(out, x, packed, bias);
     if (x.size(0) > 6 && x.size(1) > VECTOR_CHUNK_MIN_K) return small_gemm_fp32_chunked(out, x, packed, bias);
 #endif
     return small_gemm_vector<float>(out, x, packed, bias);
