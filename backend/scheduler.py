@@ -25,10 +25,11 @@ With a step time budget (``max_step_ms``; Sarathi-Serve's token budget from a la
 OSDI 2024, sec. 4.3), while requests of more than one fairness key are running or waiting (a lone request's
 prefill runs in full steps: there is nobody to keep waiting), prefill work (new requests and chunks of long
 prompts) enters a step only up to what :class:`~backend.step_cost.StepCost`, fitted on the steps run so far, says
-fits beside the step's decodes, and at least ``block_size`` tokens of it. While requests wait, running prompts'
-chunks leave at least ``block_size`` tokens of it to them: a short request is admitted beside a long prompt's
-chunks, not after them (at the floor such a step holds twice the floor). Decodes are never held back by it
-(``max_num_seqs`` bounds them).
+fits beside the step's decodes, and at least ``block_size`` tokens of it. While requests wait and a seat is free,
+running prompts' chunks take at most half of that (and of ``max_num_batched_tokens``), at least ``block_size``
+tokens: a waiting request is admitted beside a long prompt's chunks, not after them (at the floor such a step holds
+twice the floor); what it does not finish then continues in turn, the running prompts first come, first served.
+Decodes are never held back by it (``max_num_seqs`` bounds them).
 
 Speculative decoding (``num_speculative_tokens`` k > 0): a running request one token behind that
 :func:`~backend.ngram_proposer.can_speculate` allows gets up to k draft tokens from the n-gram proposer, and
@@ -147,11 +148,14 @@ class Scheduler:
         """
         token_budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_budget()  # work units: prefill tokens, plus one per request
-        # Under a budget, running prompts' chunks leave the floor to the waiting queue: a new request is
-        # admitted beside a long prompt's chunks, not after them (the floor over the budget where both are).
+        # Under a budget, while requests wait and a seat is free, running prompts' chunks take at most half of the
+        # prefill budget and of the step's tokens (at least the floor each): a waiting request is admitted beside a
+        # long prompt's chunks, not after them (at the floor such a step holds twice the floor).
         floor = self.min_prefill_tokens + 1
-        reserve = floor if self.waiting and prefill_budget != float("inf") else 0
-        running_prefill = max(prefill_budget - reserve, floor) if reserve else prefill_budget
+        share = bool(self.waiting) and len(self.running) < self.max_num_seqs and prefill_budget != float("inf")
+        reserve = max(floor, int(prefill_budget) // 2) if share else 0
+        running_prefill = max(prefill_budget - reserve, floor) if share else prefill_budget
+        token_reserve = min(reserve - 1, self.max_num_batched_tokens // 2) if share else 0
         charged: dict[str, int] = {}  # prefill units taken by each request scheduled this step
         scheduled: list[tuple[Request, int]] = []
         preempted = False
@@ -163,7 +167,8 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             if num_new > 1:  # a long prompt's next chunk: prefill work
-                num_new = min(num_new, running_prefill - 1)
+                num_new = min(num_new, running_prefill - 1,
+                              max(token_budget - token_reserve, self.min_prefill_tokens))
                 if num_new <= 0:
                     i += 1
                     continue

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(arg.startswith(("--http-restricted-api", "--grpc-restricted-protocol")) for arg in extra):
         parser.error("the launcher restricts Triton's APIs itself (serve.control); set TRITON_ADMIN_KEY or "
                      "TRITON_ADMIN_KEY_FILE to choose the key")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     try:
         key = control.admin_key()
     except (ValueError, OSError) as exc:
@@ -216,8 +218,6 @@ def main(argv: list[str] | None = None) -> None:
         print("+", " ".join(argvs[-1]), flush=True)
     url = f"http://{_connect_host(args.triton_host)}:{args.http_port}"
     headers = admin_headers(key)
-    if args.max_restarts < 0:
-        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     try:
         status = run_together(argvs, envs,
                               drain=lambda cut_short: drain_models(url, args.drain_timeout_secs, cut_short, headers),

@@ -139,9 +139,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             the deadline when no ``timeout_ms`` is given.
         vocab_size: the model's vocabulary size: ``end_id`` outside it is refused under that name (other token
             ids are checked by the engine).
-        check: the engine's own checks of a request (``LLMEngine.check_request``), run on each request a value
-            that a later source replaced would have made: such a value must be valid on its own, never dropped
-            unread (the returned request itself is checked where the engine adds it).
+        check: the engine's own checks of a request (``LLMEngine.check_request``), run on the request and, for
+            each value that a later source replaced, on a request with that setting alone: such a value must be
+            valid on its own, never dropped unread.
 
     Raises:
         ValueError: a message naming the field: neither or both of ``text_input`` and ``input_ids``, bad or
@@ -162,25 +162,27 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
             values[key] = (_json_parameter(key, value) if key in JSON_PARAMETER_FIELDS
                            else _string_list_parameter(key, value) if key in STRING_LIST_FIELDS else value)
     values = _vllm_request_fields(values)
-    overridden: dict[str, object] = {}  # values that a later source replaces: checked all the same
+    overridden: list[tuple[str, object]] = []  # values that a later source replaces: checked all the same
     if "sampling_parameters" in inputs:
         fields = _vllm_request_fields(_sampling_parameters(_first(inputs["sampling_parameters"])))
-        overridden.update((name, values[name]) for name in fields if name in values)
+        overridden += [(name, values[name]) for name in fields if name in values]
         values.update(fields)
     returns = frozenset(name for name in RETURN_INPUTS
                         if name in inputs and inputs[name].size and _flag(_first(inputs[name]).item(), name))
     for name in (*scalars, *FLAG_INPUTS):
         if name in inputs and inputs[name].size:
             if name in values:
-                overridden[name] = values[name]
+                overridden.append((name, values[name]))
             values[name] = _first(inputs[name]).item()
     for name in STRING_LIST_FIELDS:
         if name in inputs:
             if name in values:
-                overridden[name] = values[name]
+                overridden.append((name, values[name]))
             values[name] = [_text(name, s) for s in inputs[name].reshape(-1)]
     parsed = _parsed(prompt, dict(values), inputs, returns, scalars, triton_timeout_us, vocab_size)
-    for name, value in overridden.items():  # each replaced value parsed as if it had been the only one
+    if overridden and check is not None:
+        check(parsed)  # the request's own faults first, named as such
+    for name, value in overridden:  # each replaced value parsed and checked as the only setting of a request
         if value is None:  # not set
             continue
         if name in STRUCTURED_OUTPUTS_NAMES:
@@ -188,8 +190,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, object],
                 raise ValueError(f"{name} is sent in two sources with different constraints; send one")
             continue
         try:
-            replaced = _parsed(prompt, {**values, name: value}, inputs, returns, scalars, triton_timeout_us,
-                               vocab_size)
+            replaced = _parsed(prompt, {name: value}, {}, frozenset(), scalars, triton_timeout_us, vocab_size)
             if check is not None:
                 check(replaced)
         except ValueError as exc:

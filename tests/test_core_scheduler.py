@@ -527,6 +527,25 @@ def test_a_short_request_is_admitted_beside_a_long_prompts_chunks_not_after_them
     assert (long.output_token_ids, long.status) == expected_output(tokens(7, 200), 2)
 
 
+def test_a_waiting_request_is_admitted_where_max_num_batched_tokens_is_the_tighter_bound():
+    """A generous max_step_ms (its budget past max_num_batched_tokens): a long prompt's chunks take at most half of
+    the step's tokens while a request waits, so a 20-token request is admitted whole beside them."""
+    sim = CoreSim(num_blocks=512, block_size=4, max_step_ms=1000, max_num_batched_tokens=64)
+    sim.add_prompt("warm", tokens(3, 40), max_tokens=1)
+    sim.run()
+    sim.add_prompt("stream", tokens(0, 2), max_tokens=80)
+    sim.step()
+    (long,) = sim.add_prompt("long", tokens(7, 400), max_tokens=2)
+    sim.step()
+    (short,) = sim.add_prompt("short", tokens(60, 20), max_tokens=1)
+    out = sim.step()
+    scheduled = {s.request_id: s.num_scheduled_tokens for s in out.scheduled}
+    assert scheduled.get("short") == 20 and scheduled.get("long", 0) > 0, scheduled
+    sim.run()
+    assert (short.output_token_ids, short.status) == expected_output(tokens(60, 20), 1)
+    assert (long.output_token_ids, long.status) == expected_output(tokens(7, 400), 2)
+
+
 def test_step_cost_fits_the_base_and_the_cost_per_unit_of_noisy_steps():
     import random
 

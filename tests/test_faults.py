@@ -358,3 +358,14 @@ def test_a_model_never_seen_loaded_is_not_loaded_by_the_watch():
         assert triton.loads == []
     finally:
         triton.server.shutdown()
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+                                           (["--http-restricted-api", "x"], "the launcher restricts Triton's APIs")])
+def test_the_launcher_refuses_a_bad_flag_before_it_prints_or_starts_anything(argv, message, capsys):
+    from serve.launch import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exited.value.code == 2 and message in captured.err and "+ " not in captured.out

@@ -268,6 +268,19 @@ def test_a_replaced_value_is_checked_as_if_it_were_the_only_one(parameters, samp
     parse_request(inputs(sampling_parameters=json.dumps(sampling)), {}, vocab_size=49152)  # good alone
 
 
+def test_a_replaced_value_is_checked_alone_not_against_the_settings_that_won():
+    # min_tokens 50 with the max_tokens 100 that replaced 5: a valid request, and 5 is valid alone.
+    parsed = parse_request(inputs(sampling_parameters=json.dumps({"max_tokens": 100, "min_tokens": 50})),
+                           {"max_tokens": 5})
+    assert (parsed.params.max_tokens, parsed.params.min_tokens) == (100, 50)
+    parsed = parse_request(inputs(sampling_parameters=json.dumps({"n": 2, "best_of": 2})), {"n": 1})
+    assert parsed.params.n == 2
+    # Sent in all three sources: the first one is checked too.
+    with pytest.raises(ValueError, match="timeout_ms must be a positive number.*replaces it"):
+        parse_request(inputs(sampling_parameters=json.dumps({"timeout_ms": 1000}), timeout_ms=500),
+                      {"timeout_ms": -1})
+
+
 def test_a_replaced_value_goes_through_the_engines_checks(make_engine, tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_n=4)
     vocab = engine.model_config.vocab_size
@@ -285,6 +298,19 @@ def test_a_replaced_value_goes_through_the_engines_checks(make_engine, tiny_mode
         check(kept)  # the value that replaced it is good on its own
     with pytest.raises(ValueError, match="n must be at most 4.*the n input, replaces it"):  # a named input's turn
         parse_request(inputs(sampling_parameters=json.dumps({"n": 9}), n=2), {}, check=check)
+    # The request's own fault is named as its own, not as a replaced value's.
+    with pytest.raises(ValueError, match="n must be at most 4") as own:
+        parse_request(inputs(sampling_parameters=json.dumps({"temperature": 0.7, "n": 9})), {"temperature": 0.5},
+                      check=check)
+    assert "replaces" not in str(own.value)
+
+
+def test_a_constraint_nested_past_the_stack_is_a_400_not_an_internal_error():
+    for sent in ({"structured_outputs": "[" * 200_000}, {"guided_decoding": "{\"a\":" * 20_000}):
+        with pytest.raises(ValueError, match="structured_outputs is nested too deeply|nests .* levels deep"):
+            parse_request(inputs(), sent)
+        with pytest.raises(ValueError, match="structured_outputs is nested too deeply|nests .* levels deep"):
+            parse_request(inputs(sampling_parameters=json.dumps(sent)), {})
 
 
 def test_a_constraint_sent_twice_must_be_the_same():

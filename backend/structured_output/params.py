@@ -101,6 +101,8 @@ class StructuredOutputsParams:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"structured_outputs is not valid JSON: {exc}") from None
+            except RecursionError:  # text nested past the interpreter's stack
+                raise ValueError("structured_outputs is nested too deeply") from None
         if not isinstance(value, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
         for name, instead in UNSUPPORTED_FIELDS.items():

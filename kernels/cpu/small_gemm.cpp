@@ -584,7 +584,7 @@ inline void fma_group(const float* __restrict x, int64_t xs, int64_t kc, const f
 }
 
 // fp32 on AVX-512 past PANEL_MIN_ROWS rows (prompt slices): the loop order of BLIS (Van Zee & van de Geijn, ACM
-// TOMS 2015, sec. 4) with the roles of its operands as this layout has them: a thread takes a block of
+// TOMS 2015, sec. 4) with the roles of its operands as this layout has them: a thread takes a block of up to
 // PANEL_GROUPS groups of 64 outputs; per chunk of PANEL_K_CHUNK k, the block's weights for the chunk (128 KiB)
 // stay in L2 while every pass of 6 rows reads them, each pass's rows (6 x 512 bytes) in L1 across the block's
 // groups. The sums of all M rows of the block's outputs are kept in c between chunks. Each output's sum runs in
@@ -599,14 +599,16 @@ static void small_gemm_fp32_panels(torch::Tensor out, torch::Tensor x, torch::Te
   const float* ws = packed.data_ptr<float>();
   const float* bs = bias ? bias->data_ptr<float>() : nullptr;
   float* ys = out.data_ptr<float>();
-  const int64_t groups = (NB + 3) / 4, blocks = (groups + PANEL_GROUPS - 1) / PANEL_GROUPS;
+  // Blocks of fewer groups where there are few groups per thread, so that every thread gets blocks.
+  const int64_t groups = (NB + 3) / 4, threads = at::get_num_threads();
+  const int64_t G = std::clamp<int64_t>(groups / (2 * threads), 1, PANEL_GROUPS), blocks = (groups + G - 1) / G;
   std::atomic<int64_t> taken{0};
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks)))
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, blocks)))
   {
-    std::unique_ptr<float[]> c_storage(new float[PANEL_GROUPS * M * 64 + 16]);  // per group: M rows x 64 sums
+    std::unique_ptr<float[]> c_storage(new float[G * M * 64 + 16]);  // per group: M rows x 64 sums
     float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c_storage.get()) + 63) & ~uintptr_t{63});
     for (int64_t b = taken.fetch_add(1); b < blocks; b = taken.fetch_add(1)) {
-      const int64_t g0 = b * PANEL_GROUPS, g1 = std::min(groups, g0 + PANEL_GROUPS);
+      const int64_t g0 = b * G, g1 = std::min(groups, g0 + G);
       for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_CHUNK) {
         const int64_t kc = std::min(PANEL_K_CHUNK, K - k0);
         for (int64_t m0 = 0; m0 < M; m0 += 6) {
