@@ -554,6 +554,25 @@ static void small_gemm_avx2_rows(torch::Tensor out, torch::Tensor x, torch::Tens
 #endif
 
 #if LLM_HAVE_AVX512
+// An fp32 small_gemm call's operands (x [M, K], packed weights [NB, K, 16], bias [N] or none, out [M, N]), and the
+// store of one group of 4 blocks' sums (c: M rows 64 apart) into out with the bias.
+struct Fp32Operands {
+  int64_t M, K, NB, N, stride;
+  const float* xs;
+  const float* ws;
+  const float* bs;
+  float* ys;
+  Fp32Operands(torch::Tensor out, torch::Tensor x, torch::Tensor packed, const c10::optional<torch::Tensor>& bias)
+      : M(x.size(0)), K(x.size(1)), NB(packed.size(0)), N(NB * 16), stride(K * 16), xs(x.data_ptr<float>()),
+        ws(packed.data_ptr<float>()), bs(bias ? bias->data_ptr<float>() : nullptr), ys(out.data_ptr<float>()) {}
+  void store_group(int64_t g, const float* c) const {
+    const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < 16 * nbs; ++n)
+        ys[m * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+  }
+};
+
 // Rows x[0..MB) (`xs` apart) against one group of 4 blocks of 16 outputs (blocks `stride` apart) over k in [0, kc),
 // into c (64-byte aligned, rows 64 apart), or added to it where `accumulate`: fma_block<MB, 4>'s arithmetic in the
 // same order, without its prefetching, for the prompt slices' panels (whose weights come from L2, not memory).
@@ -594,11 +613,10 @@ inline void fma_group(const float* __restrict x, int64_t xs, int64_t kc, const f
 static void small_gemm_fp32_panels(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                                    c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16, stride = K * 16;
-  const float* xs = x.data_ptr<float>();
-  const float* ws = packed.data_ptr<float>();
-  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
-  float* ys = out.data_ptr<float>();
+  const Fp32Operands op(out, x, packed, bias);
+  const int64_t M = op.M, K = op.K, NB = op.NB, stride = op.stride;
+  const float* xs = op.xs;
+  const float* ws = op.ws;
   // Blocks of fewer groups where there are few groups per thread, so that every thread gets blocks.
   const int64_t groups = (NB + 3) / 4, threads = at::get_num_threads();
   const int64_t G = std::clamp<int64_t>(groups / (2 * threads), 1, PANEL_GROUPS), blocks = (groups + G - 1) / G;
@@ -626,13 +644,7 @@ static void small_gemm_fp32_panels(torch::Tensor out, torch::Tensor x, torch::Te
           }
         }
       }
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t nb0 = 4 * g, nbs = std::min<int64_t>(4, NB - nb0);
-        const float* cg = c + (g - g0) * M * 64;
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < 16 * nbs; ++n)
-            ys[m * N + nb0 * 16 + n] = cg[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
-      }
+      for (int64_t g = g0; g < g1; ++g) op.store_group(g, c + (g - g0) * M * 64);
     }
   }
 }
@@ -649,11 +661,10 @@ static void small_gemm_fp32_panels(torch::Tensor out, torch::Tensor x, torch::Te
 static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                                     c10::optional<torch::Tensor> bias) {
   using namespace llm_cpu;
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16, stride = K * 16;
-  const float* xs = x.data_ptr<float>();
-  const float* ws = packed.data_ptr<float>();
-  const float* bs = bias ? bias->data_ptr<float>() : nullptr;
-  float* ys = out.data_ptr<float>();
+  const Fp32Operands op(out, x, packed, bias);
+  const int64_t M = op.M, K = op.K, NB = op.NB, stride = op.stride;
+  const float* xs = op.xs;
+  const float* ws = op.ws;
   const int64_t groups = (NB + 3) / 4, passes = (M + 5) / 6, chunk = VECTOR_K_CHUNK;
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(at::get_num_threads(), groups)))
@@ -685,9 +696,7 @@ static void small_gemm_fp32_chunked(torch::Tensor out, torch::Tensor x, torch::T
           });
         }
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < 16 * nbs; ++n)
-          ys[m * N + nb0 * 16 + n] = c[m * 64 + n] + (bs ? bs[nb0 * 16 + n] : 0.f);
+      op.store_group(g, c);
     }
   }
 }
