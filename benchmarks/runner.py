@@ -2,6 +2,12 @@
 
 Each system is built (model loaded, warmed up), run once per mode, then closed before the next is built,
 so no two systems compete for the CPU. A system that cannot start is reported as skipped, with the reason.
+
+Everything here that runs torch (the machine's limits and rate probes, each system, the ceilings) runs on a thread
+of its own that ends with it (:func:`backend.cpu_threads.run_on_fresh_thread`): OpenMP keeps a pool of workers for
+each thread that ever ran a parallel region, and one left on this thread while our engine steps on its loop thread
+puts every barrier of every step to sleep (:mod:`backend.cpu_threads`), which measures the engine slower than it
+serves.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from backend.cpu_threads import run_on_fresh_thread
 from backend.model_loader import resolve_model_dir
 from benchmarks.ceiling import measure_ceiling, measure_engine_step, measure_prefill
 from benchmarks.config import MODES, BenchConfig
@@ -76,7 +83,8 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
         from backend.config import resolve_dtype
         from benchmarks.limits import model_limits
 
-        limits = model_limits(model_dir, resolve_dtype(config.dtype, "cpu"), config.threads, config.quantization)
+        limits = run_on_fresh_thread(lambda: model_limits(model_dir, resolve_dtype(config.dtype, "cpu"),
+                                                          config.threads, config.quantization))
         torch.set_num_threads(config.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     workload = make_workload(tokenizer, config)
@@ -87,11 +95,12 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     for round_index in range(config.rounds):
         for name in names:
             if name not in skipped:
-                runs += _run_system(name, round_index, config, model_dir, workload, pad, skipped)
+                runs += run_on_fresh_thread(
+                    lambda: _run_system(name, round_index, config, model_dir, workload, pad, skipped))
             if name == "engine" and "ceiling" in config.systems and round_index == 0:  # right after: the same load
-                runs += _ceilings(config, model_dir, tokenizer, workload, runs)
+                runs += run_on_fresh_thread(lambda: _ceilings(config, model_dir, tokenizer, workload, runs))
     if "ceiling" in config.systems and not any(r["system"] == "ceiling" for r in runs):
-        runs += _ceilings(config, model_dir, tokenizer, workload, runs)
+        runs += run_on_fresh_thread(lambda: _ceilings(config, model_dir, tokenizer, workload, runs))
 
     from backend.config import resolve_dtype
 
@@ -176,8 +185,9 @@ def _probe_machine(config: BenchConfig) -> dict | None:
     from benchmarks.steadiness import PROBE_N, PROBE_SECONDS, sample_gemm_rate, summarize_rates
 
     dtype = resolve_dtype(config.dtype, "cpu")
-    try:
-        rates = summarize_rates(sample_gemm_rate(dtype, config.threads, seconds=PROBE_SECONDS))
+    try:  # on a thread of its own, as the systems are: its OpenMP pool ends with it (see the module docstring)
+        rates = summarize_rates(run_on_fresh_thread(
+            lambda: sample_gemm_rate(dtype, config.threads, seconds=PROBE_SECONDS)))
     except Exception as exc:
         log.warning("machine probe failed, the round runs without it: %s", _one_line(exc))
         return None

@@ -345,3 +345,31 @@ def test_machine_rate_samples_are_each_a_measured_rate():
         sample_gemm_rate("float32", 1, seconds=0)
     with pytest.raises(ValueError, match="no samples"):
         summarize_rates([])
+
+
+def test_machine_probe_leaves_no_openmp_pool_on_the_calling_thread():
+    """The probe's matmuls run on a thread that ends with them: a pool of OpenMP workers left on the thread that
+    runs the benchmark would make our engine's barriers sleep while it steps on its loop thread."""
+    import subprocess
+    import sys
+
+    code = """
+import os
+import time
+import torch
+from benchmarks.config import BenchConfig
+from benchmarks.runner import _probe_machine
+torch.set_num_threads(2)
+before = len(os.listdir("/proc/self/task"))
+probe = _probe_machine(BenchConfig(dtype="float32", threads=2))
+deadline = time.monotonic() + 10  # a finished thread's workers leave within milliseconds; a live pool stays
+while len(os.listdir("/proc/self/task")) != before and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(before, len(os.listdir("/proc/self/task")), probe is not None and probe["min"] > 0)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr
+    before, after, measured = result.stdout.split()
+    assert measured == "True"
+    assert int(after) == int(before), "the probe left OpenMP worker threads behind on the calling thread"
