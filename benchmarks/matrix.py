@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import DEVIATION, LABELS, write_json
+from benchmarks.report import DEVIATION, LABELS, SECOND_POOL_NOTE, second_pool, write_json
 
 log = logging.getLogger("benchmarks.matrix")
 
@@ -287,6 +287,8 @@ def page_markdown(report: dict) -> str:
             for system, why in cell.get("skipped", {}).items():
                 lines.append(f"| {LABELS.get(system, system)} | {label} | | skipped: {why.replace('|', '/')} | | |"
                              + (" |" if mean else ""))
+        if any(second_pool(c["config"], c["runs"], c.get("limits")) for c in cells):
+            lines += ["", SECOND_POOL_NOTE]
         # the limits the floor goal divides by: the one-stream cell's, else the first measured
         limits = next((c["limits"] for c in sorted(cells, key=lambda c: c["streams"] != 1) if c.get("limits")), None)
         if limits:

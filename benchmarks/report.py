@@ -295,7 +295,28 @@ def page_markdown(report: dict) -> str:
     lines += agreement_lines(checks)
     lines += [f"**{LABELS[system]} did not run as prescribed here**: {note}." for system, note in
               dict.fromkeys((r["system"], n) for r in report["runs"] for n in r.get("notes", []) if DEVIATION in n)]
+    if second_pool(report["config"], report["runs"], report.get("limits")):
+        lines += [SECOND_POOL_NOTE]
     return "\n".join(lines) + "\n"
+
+
+# Runs written before the benchmark ran its probes, baselines and ceilings on threads of their own measured our
+# in-process engine beside a second OpenMP pool (benchmarks.runner), which made it slower than it serves.
+SECOND_POOL_NOTE = ("**Ours ran slower here than it serves**: this run's probes or baselines ran torch on the "
+                    "benchmark's own thread before our engine's rounds, leaving a second OpenMP pool beside the "
+                    "engine's, which puts every barrier of its steps to sleep; its ratios understate ours "
+                    "([how much](#a-second-openmp-pool-in-older-runs)).")
+_BESIDE_ENGINE = ("naive", "static", "generate_batch", "ceiling")  # in-process systems that ran torch on that thread
+
+
+def second_pool(config: dict, runs: list[dict], limits: dict | None) -> bool:
+    """Whether a report's in-process engine ran beside another OpenMP pool of the benchmark's own thread: written
+    before ``parts_on_own_threads``, with the engine and something that ran torch on that thread (the machine
+    probe of a round, the limits, a baseline or the ceiling)."""
+    systems = {r["system"] for r in runs}
+    return ("engine" in systems and not config.get("parts_on_own_threads")
+            and (bool(limits) or any("machine_gflops_before" in r for r in runs)
+                 or bool(systems & set(_BESIDE_ENGINE))))
 
 
 def agreement_lines(checks: dict) -> list[str]:

@@ -105,7 +105,8 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     from backend.config import resolve_dtype
 
     settings = {**config.as_dict(), "dtype_resolved": resolve_dtype(config.dtype, "cpu"),  # what "auto" was here
-                "engine_malloc": os.environ.get("LLM_BENCH_MALLOC", "glibc malloc")}
+                "engine_malloc": os.environ.get("LLM_BENCH_MALLOC", "glibc malloc"),
+                "parts_on_own_threads": True}  # see the module docstring; older reports ran them on this thread
     report = build_report(settings, machine, workload.summary(), runs, skipped)
     if limits is not None:
         report["limits"] = limits

@@ -373,3 +373,28 @@ print(before, len(os.listdir("/proc/self/task")), probe is not None and probe["m
     before, after, measured = result.stdout.split()
     assert measured == "True"
     assert int(after) == int(before), "the probe left OpenMP worker threads behind on the calling thread"
+
+
+def test_page_marks_runs_whose_engine_ran_beside_a_second_openmp_pool():
+    """Reports written before the benchmark ran its probes on threads of their own say on the page that ours ran
+    slower than it serves; newer reports, and older ones with nothing run on the benchmark's thread, do not."""
+    from benchmarks.matrix import page_markdown as matrix_page
+    from benchmarks.report import SECOND_POOL_NOTE, page_markdown, second_pool
+
+    results = Path(__file__).resolve().parent.parent / "docs" / "results"
+    engine, vllm = {"system": "engine"}, {"system": "vllm"}
+    probed = {"system": "engine", "machine_gflops_before": {"min": 1.0}}
+    assert second_pool({}, [probed, vllm], None)  # a round's machine probe
+    assert second_pool({}, [engine, vllm], {"bandwidth_gbps": 20.0})  # --limits
+    assert second_pool({}, [{"system": "static"}, engine], None)  # a transformers baseline in the same process
+    assert not second_pool({}, [engine, vllm], None)  # nothing of torch on the benchmark's thread
+    assert not second_pool({"parts_on_own_threads": True}, [probed, vllm], {"bandwidth_gbps": 20.0})
+    assert not second_pool({}, [{"system": "vllm", "machine_gflops_before": {}}], {"bandwidth_gbps": 20.0})
+
+    matrix = json.loads((results / "matrix-zen4.json").read_text())  # every cell measured with --limits
+    assert matrix_page(matrix).count(SECOND_POOL_NOTE) == len(matrix["groups"])
+    for cell in (c for g in matrix["groups"] for c in g["cells"]):
+        cell["config"]["parts_on_own_threads"] = True
+    assert SECOND_POOL_NOTE not in matrix_page(matrix)
+    report = json.loads((results / "vllm-bf16-avx2.json").read_text())  # three rounds, before the probe existed
+    assert SECOND_POOL_NOTE not in page_markdown(report)
