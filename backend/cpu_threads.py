@@ -98,16 +98,18 @@ class ThreadBinder:
 
     def __init__(self, cpus: list[int] | None) -> None:
         self.cpus = cpus
-        self._bound: set[int] = set()
+        # Per thread object, not per thread id: the C library gives an ended thread's id to the next one started
+        # (a loop thread started after another was stopped), which must be pinned too.
+        self._local = threading.local()
 
     def ensure_bound(self) -> None:
-        if self.cpus is None or threading.get_ident() in self._bound:
+        if self.cpus is None or getattr(self._local, "bound", False):
             return
         if threading.current_thread() is threading.main_thread():
             return
         from backend import cpu_ops
 
-        self._bound.add(threading.get_ident())
+        self._local.bound = True
         try:
             if torch.get_num_threads() != len(self.cpus):
                 torch.set_num_threads(len(self.cpus))

@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+from backend.cpu_threads import run_on_fresh_thread
 from backend.model_runner import kv_bytes_per_block
 from benchmarks.config import BASELINE_MODES, BenchConfig
 from benchmarks.hf_baselines import load_hf_model
@@ -33,7 +34,9 @@ class GenerateBatchSystem:
     modes = BASELINE_MODES
 
     def __init__(self, config: BenchConfig, model_dir: str, workload: Workload) -> None:
-        self.model = load_hf_model(model_dir)
+        # Loaded on a thread that ends with it: transformers generates on a thread of its own, and a pool of OpenMP
+        # workers left on this one would put that thread's barriers to sleep (backend.cpu_threads).
+        self.model = run_on_fresh_thread(lambda: load_hf_model(model_dir))
         self.progress = config.progress
         # Our engine's pool (same bytes, same 16-token blocks), capped at what every request of the workload needs
         # at once: never short of KV, and its SDPA mask, sized by the pool, stays small.

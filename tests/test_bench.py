@@ -235,10 +235,31 @@ def test_rounds_run_every_system_in_turn_and_report_the_median_of_each_rounds_ra
                                                                                     monkeypatch):
     from benchmarks.runner import run_benchmark
 
-    monkeypatch.setattr("benchmarks.steadiness.PROBE_SECONDS", 0.2)  # the machine probe's minimum samples suffice
+    import threading
 
-    config = tiny_config(tiny_model_dir, tmp_path, systems=("static", "engine"), modes=("offline",), rounds=3)
+    import benchmarks.limits
+    import benchmarks.runner
+    import benchmarks.steadiness
+
+    monkeypatch.setattr("benchmarks.steadiness.PROBE_SECONDS", 0.2)  # the machine probe's minimum samples suffice
+    on_main: list[tuple[str, bool]] = []  # what ran torch, and whether on the benchmark's own thread
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            on_main.append((name, threading.current_thread() is threading.main_thread()))
+            return fn(*args, **kwargs)
+        return call
+
+    for module, name in ((benchmarks.runner, "_build"), (benchmarks.steadiness, "sample_gemm_rate"),
+                         (benchmarks.limits, "model_limits")):
+        monkeypatch.setattr(module, name, recorded(name, getattr(module, name)))
+    config = tiny_config(tiny_model_dir, tmp_path, systems=("static", "engine"), modes=("offline",), rounds=3,
+                         limits=True)
     report = run_benchmark(config)
+    # each on a thread that ends with it: no OpenMP pool left on this thread beside the engine's loop thread
+    assert sorted(on_main) == sorted([("_build", False)] * 6 + [("sample_gemm_rate", False)] * 6
+                                     + [("model_limits", False)])
+    assert report["config"]["parts_on_own_threads"] and report["limits"]["bandwidth_gbps"] > 0
     runs = [(r["system"], r["round"]) for r in report["runs"]]
     assert sorted(runs) == sorted((s, i) for s in ("static", "engine") for i in range(3))
     per_round = report["ratios_by_round"]["offline"]["engine_vs_static"]

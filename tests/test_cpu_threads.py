@@ -53,6 +53,29 @@ def test_bind_threads_pins_the_calling_thread_only():
     assert os.sched_getaffinity(0) == set(ALLOWED)  # the main thread is not touched
 
 
+@pytest.mark.skipif(kernels.cpu.load() is None or len(ALLOWED) < 2, reason="needs the kernels and two CPUs")
+def test_binder_pins_each_new_stepping_thread_even_with_an_ended_ones_id():
+    """A loop thread started after another one ended (the engine stopped and started again) often gets the ended
+    thread's id from the C library; it is pinned all the same."""
+    import torch
+
+    binder, seen = ThreadBinder([ALLOWED[-1]]), []
+
+    def step() -> None:
+        binder.ensure_bound()
+        seen.append((threading.get_ident(), os.sched_getaffinity(0)))
+
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(3):
+            thread = threading.Thread(target=step)
+            thread.start()
+            thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert [affinity for _, affinity in seen] == [{ALLOWED[-1]}] * 3
+
+
 def test_binder_leaves_the_main_thread_unpinned():
     """Processes the main thread starts later (a test's tritonserver) would inherit its pinning."""
     ThreadBinder([ALLOWED[-1]]).ensure_bound()
