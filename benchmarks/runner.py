@@ -3,16 +3,18 @@
 Each system is built (model loaded, warmed up), run once per mode, then closed before the next is built,
 so no two systems compete for the CPU. A system that cannot start is reported as skipped, with the reason.
 
-Everything here that runs torch (the machine's limits and rate probes, each system, the ceilings) runs on a thread
-of its own that ends with it (:func:`backend.cpu_threads.run_on_fresh_thread`): OpenMP keeps a pool of workers for
-each thread that ever ran a parallel region, and one left on this thread while our engine steps on its loop thread
-puts every barrier of every step to sleep (:mod:`backend.cpu_threads`), which measures the engine slower than it
-serves.
+Everything here that runs torch on the thread that calls it (the machine's limits and rate probes, the transformers
+baselines, the ceilings) runs on a thread of its own that ends with it (:func:`backend.cpu_threads.run_on_fresh_thread`):
+OpenMP keeps a pool of workers for each thread that ever ran a parallel region, and one left on this thread while
+our engine steps on its loop thread puts every barrier of every step to sleep (:mod:`backend.cpu_threads`), which
+measures the engine slower than it serves. Our engine loads and steps on threads of its own and the peers run in
+processes of their own, so those systems run on this thread, where Ctrl-C reaches them and they close at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -33,6 +35,7 @@ from benchmarks.report import build_report, markdown, write_json
 from benchmarks.workload import Workload, corpus_text, make_workload
 
 log = logging.getLogger("benchmarks")
+TORCH_ON_CALLER = ("naive", "static", "generate_batch")  # systems that run torch on the thread that calls them
 
 
 def _build(name: str, config: BenchConfig, model_dir: str, workload: Workload, pad: int):
@@ -95,8 +98,8 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     for round_index in range(config.rounds):
         for name in names:
             if name not in skipped:
-                runs += run_on_fresh_thread(
-                    lambda: _run_system(name, round_index, config, model_dir, workload, pad, skipped))
+                run = functools.partial(_run_system, name, round_index, config, model_dir, workload, pad, skipped)
+                runs += run_on_fresh_thread(run) if name in TORCH_ON_CALLER else run()
             if name == "engine" and "ceiling" in config.systems and round_index == 0:  # right after: the same load
                 runs += run_on_fresh_thread(lambda: _ceilings(config, model_dir, tokenizer, workload, runs))
     if "ceiling" in config.systems and not any(r["system"] == "ceiling" for r in runs):
@@ -186,7 +189,7 @@ def _probe_machine(config: BenchConfig) -> dict | None:
     from benchmarks.steadiness import PROBE_N, PROBE_SECONDS, sample_gemm_rate, summarize_rates
 
     dtype = resolve_dtype(config.dtype, "cpu")
-    try:  # on a thread of its own, as the systems are: its OpenMP pool ends with it (see the module docstring)
+    try:  # on a thread of its own: its OpenMP pool ends with it (see the module docstring)
         rates = summarize_rates(run_on_fresh_thread(
             lambda: sample_gemm_rate(dtype, config.threads, seconds=PROBE_SECONDS)))
     except Exception as exc:
