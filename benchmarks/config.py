@@ -16,6 +16,9 @@ MODES = ("offline", "online", "concurrent")
 # The peers run only when asked for (`make bench-peers`): vLLM's first use installs it into a venv of its own,
 # llama.cpp's compiles it (10-20 minutes on 2 cores).
 PEER_SYSTEMS = ("vllm", "llamacpp")
+# The transformers baselines: they run torch on the thread that calls them (benchmarks.runner runs them on threads
+# of their own, so that no OpenMP pool is left beside our engine's).
+HF_BASELINES = ("naive", "static", "generate_batch")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in PEER_SYSTEMS)
 LLAMACPP_QUANTS = ("q8_0", "q4_0")
 # The HF baselines run one request or one batch at a time; a closed loop of N in flight is a serving workload.

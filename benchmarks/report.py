@@ -7,7 +7,7 @@ import math
 import statistics
 from pathlib import Path
 
-from benchmarks.config import MODES, SYSTEMS
+from benchmarks.config import HF_BASELINES, MODES, SYSTEMS
 from benchmarks.machine import features_text
 
 LABELS = {"naive": "naive (HF generate, 1 at a time)", "static": "static batching (HF generate)",
@@ -306,7 +306,7 @@ SECOND_POOL_NOTE = ("**Ours ran slower here than it serves**: this run's probes 
                     "benchmark's own thread before our engine's rounds, leaving a second OpenMP pool beside the "
                     "engine's, which puts every barrier of its steps to sleep; its ratios understate ours "
                     "([how much](#a-second-openmp-pool-in-older-runs)).")
-_BESIDE_ENGINE = ("naive", "static", "generate_batch", "ceiling")  # in-process systems that ran torch on that thread
+_BESIDE_ENGINE = (*HF_BASELINES, "ceiling")  # in-process systems that ran torch on that thread
 
 
 def second_pool(config: dict, runs: list[dict], limits: dict | None) -> bool:

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from backend.cpu_threads import run_on_fresh_thread
 from backend.model_loader import resolve_model_dir
 from benchmarks.ceiling import measure_ceiling, measure_engine_step, measure_prefill
-from benchmarks.config import MODES, BenchConfig
+from benchmarks.config import HF_BASELINES, MODES, BenchConfig
 from benchmarks.engine_system import engine_config
 from benchmarks.machine import load_average, machine_info
 from benchmarks.records import summarize
@@ -35,7 +35,6 @@ from benchmarks.report import build_report, markdown, write_json
 from benchmarks.workload import Workload, corpus_text, make_workload
 
 log = logging.getLogger("benchmarks")
-TORCH_ON_CALLER = ("naive", "static", "generate_batch")  # systems that run torch on the thread that calls them
 
 
 def _build(name: str, config: BenchConfig, model_dir: str, workload: Workload, pad: int):
@@ -95,15 +94,19 @@ def run_benchmark(config: BenchConfig, command: str | None = None) -> dict:
     runs, skipped = [], {}
 
     names = [s for s in config.systems if s not in ("ceiling", "prefix_cache")]
+
+    def ceilings() -> list[dict]:
+        return run_on_fresh_thread(lambda: _ceilings(config, model_dir, tokenizer, workload, runs))
+
     for round_index in range(config.rounds):
         for name in names:
             if name not in skipped:
                 run = functools.partial(_run_system, name, round_index, config, model_dir, workload, pad, skipped)
-                runs += run_on_fresh_thread(run) if name in TORCH_ON_CALLER else run()
+                runs += run_on_fresh_thread(run) if name in HF_BASELINES else run()
             if name == "engine" and "ceiling" in config.systems and round_index == 0:  # right after: the same load
-                runs += run_on_fresh_thread(lambda: _ceilings(config, model_dir, tokenizer, workload, runs))
+                runs += ceilings()
     if "ceiling" in config.systems and not any(r["system"] == "ceiling" for r in runs):
-        runs += run_on_fresh_thread(lambda: _ceilings(config, model_dir, tokenizer, workload, runs))
+        runs += ceilings()
 
     from backend.config import resolve_dtype
 

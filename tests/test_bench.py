@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import parse_args
-from benchmarks.config import QUICK, BenchConfig
+from benchmarks.config import HF_BASELINES, QUICK, BenchConfig
 from benchmarks.records import RequestRecord, SystemRun, summarize
 from benchmarks.workload import make_workload
 
 SYSTEMS = ("naive", "static", "generate_batch", "engine", "ceiling")  # the server has its own tests
 MODES = ("offline", "online", "concurrent")
-BASELINES = ("naive", "static", "generate_batch")  # one request or batch at a time: no closed-loop mode
+BASELINES = HF_BASELINES  # one request or batch at a time: no closed-loop mode
 
 
 def tiny_config(model_dir: str, output_dir, **overrides) -> BenchConfig:
