@@ -122,6 +122,14 @@ def _check_cpu_kernel(seq_lens: list[int], dtype: torch.dtype, head_dim: int, nu
             key_cache[last, (n - 1) % block_size + 1:] = float("nan")
             value_cache[last, (n - 1) % block_size + 1:] = float("nan")
     got = kernels.cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    # The same queries read in place as the compact decoder passes them, a view of the fused QKV rows whose K and V
+    # columns (NaN here) must not be read: the same output, bit for bit.
+    fused = torch.full((len(seq_lens), (num_heads + 2 * NUM_KV_HEADS) * head_dim), float("nan"), dtype=dtype)
+    fused[:, :num_heads * head_dim] = query.reshape(len(seq_lens), -1)
+    in_place = torch.empty_like(got)
+    kernels.cpu._module().paged_decode_attention(in_place, fused[:, :num_heads * head_dim].view(query.shape),
+                                                 key_cache, value_cache, tables, lens, 0.3)
+    assert torch.equal(in_place, got)
     for i, n in enumerate(seq_lens):
         keys = key_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()
         values = value_cache[tables[i]].reshape(-1, NUM_KV_HEADS, head_dim)[:n].float()

@@ -157,6 +157,42 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
         kernels.cpu.write_kv(k, v, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 4, 5, blocks * block_size]))
 
 
+@pytest.mark.skipif(not kernels.cpu.small_gemm_available(torch.float32), reason="no small_gemm for fp32 here")
+def test_decode_layers_refuses_a_slot_past_the_pool_and_a_layer_of_other_shapes_before_writing():
+    """decode_layers stores each layer's K and V in the same pass as rotary: a slot past the pool raises before
+    the first layer writes anything, and every layer must have the first one's shapes (its activations are
+    allocated once for all layers)."""
+    torch.manual_seed(5)
+    hidden_size, heads, kv_heads, dim, inter, rows, blocks, block_size = 64, 4, 2, 16, 96, 3, 4, 16
+
+    def layer(intermediate: int) -> list[torch.Tensor]:
+        def packed(n: int, k: int) -> torch.Tensor:
+            return kernels.cpu.small_gemm_pack(torch.randn(n, k) * 0.1)
+        return [torch.ones(hidden_size), packed((heads + 2 * kv_heads) * dim, hidden_size), torch.empty(0),
+                packed(hidden_size, heads * dim), torch.empty(0), torch.ones(hidden_size),
+                packed(2 * intermediate, hidden_size), packed(hidden_size, intermediate),
+                torch.zeros(blocks, block_size, kv_heads, dim), torch.zeros(blocks, block_size, kv_heads, dim)]
+
+    theta = torch.rand(rows, dim // 2)
+    cos, sin = torch.cat([theta.cos()] * 2, 1), torch.cat([theta.sin()] * 2, 1)
+    tables, lens = torch.tensor([[0], [1], [2]]), torch.tensor([1, 1, 1])
+
+    def run(layers: list[torch.Tensor], slots: list[int]):
+        return kernels.cpu.decode_layers(torch.randn(rows, hidden_size), cos, sin, torch.tensor(slots), tables, lens,
+                                         layers, heads, kv_heads, dim, 1e-5, dim ** -0.5)
+
+    good = layer(inter) + layer(inter)
+    hidden, residual = run(good, [0, 16, 32])
+    assert hidden.shape == residual.shape == (rows, hidden_size) and torch.isfinite(hidden).all()
+    assert all(good[8][block, 0].abs().sum() > 0 for block in range(3))  # each row's key at its slot
+    fresh = layer(inter) + layer(inter)
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(fresh, [0, 16, blocks * block_size])
+    assert all(not t.any() for t in fresh[8::10] + fresh[9::10])  # no layer wrote its cache
+    with pytest.raises(RuntimeError, match="first one's shapes"):
+        run(layer(inter) + layer(inter + 16), [0, 16, 32])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 32, 33, 48, 64, 65, 203, 256, 301, 2050])
 def test_small_gemm_equals_onednn_up_to_summation_order(dtype, rows):

@@ -142,7 +142,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     """Decode attention over the paged cache.
 
     Args:
-        q: ``[batch, num_heads, head_dim]`` contiguous; key_cache, value_cache:
+        q: ``[batch, num_heads, head_dim]``, each row's heads contiguous, any row stride (a view of the fused QKV
+            output is read in place; other layouts are copied first); key_cache, value_cache:
             ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``q``'s dtype (fp32, bf16 or fp16).
         block_tables: ``[batch, max_blocks]`` int64; seq_lens: ``[batch]`` int64, keys ``0..seq_len-1`` attended.
         out: where to write, ``[batch, num_heads, head_dim]`` contiguous; a new tensor when None.
@@ -154,8 +155,10 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         RuntimeError: the extension could not be built, shapes / dtypes / layouts do not match, or a seq_len or
             a block id it would read is out of range (checked before anything is read).
     """
-    out = torch.empty_like(q) if out is None else out
-    _module().paged_decode_attention(out, q.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale)
+    if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    _module().paged_decode_attention(out, q, key_cache, value_cache, block_tables, seq_lens, scale)
     return out
 
 
@@ -427,7 +430,9 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
                   int8_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's decoder layers in one call (Llama family, ``backend.models.llama``): per layer the residual
     add and RMSNorm, QKV GEMM, rotary, KV write, paged decode attention, O GEMM, add and RMSNorm, gate-up GEMM,
-    SwiGLU and down GEMM, each the kernel the Python loop calls, in its order (bit-identical results).
+    SwiGLU and down GEMM, in the Python loop's order and with its kernels' arithmetic (bit-identical results).
+    Rotary and the KV write run as one pass over the rows, the attention reads the queries in place in the fused
+    QKV rows, and the step's activations are allocated once for all layers.
 
     Args:
         hidden: ``[rows, hidden_size]`` contiguous, the token embeddings, 1 <= rows <= :func:`small_gemm_max_rows`.
@@ -436,7 +441,8 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
         layers: :data:`DECODE_LAYER_TENSORS` per layer: input norm weight, QKV packed (:func:`small_gemm_pack`),
             QKV bias (empty tensor: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
             packed, down packed, key cache, value cache. A packed weight of dtype int8 (:func:`int8_gemm_pack`)
-            runs through :func:`int8_gemm`, 1 <= rows <= :func:`int8_gemm_max_rows`.
+            runs through :func:`int8_gemm`, 1 <= rows <= :func:`int8_gemm_max_rows`. Every layer has the first
+            one's shapes.
         eps: the norms' epsilon; scale: the attention's softmax scale.
         int8_activations: the int8 weights' GEMMs round their activations to int8 (W8A8, :func:`int8_gemm`).
 
@@ -444,7 +450,8 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
         ``(hidden, residual)`` after the last layer, ``[rows, hidden_size]`` each.
 
     Raises:
-        RuntimeError: the extension could not be built, or shapes / dtypes / layouts do not match.
+        RuntimeError: the extension could not be built, shapes / dtypes / layouts do not match, or a slot is past
+            the KV pool (raised before any layer writes).
     """
     return _module().decode_layers(hidden, cos, sin, slot_mapping, block_tables, seq_lens, layers, num_heads,
                                    num_kv_heads, head_dim, eps, scale, int8_activations)

@@ -1,10 +1,15 @@
 // The compact decoder's layers (backend/models/llama.py) for a decode step small_gemm takes (at most 64 rows on
 // AMX, 256 elsewhere: small_gemm_max_rows; int8 weights: int8_gemm_max_rows), in one call.
-// A decode step on two cores runs ~12 kernels a layer, each a few hundred microseconds at such batches; driven
+// A decode step on two cores runs ~10 kernels a layer, each a few tens of microseconds at such batches; driven
 // from Python, every call also pays the interpreter, argument parsing and an output allocation, ~360 calls a
-// step for SmolLM2's 30 layers. The same kernels in the same order from here; the results are bit-identical to the Python loop.
-// (The CPU's counterpart of replaying a CUDA graph captured for decode steps, as vLLM and nano-vllm do on GPUs.)
+// step for SmolLM2's 30 layers. The same kernels in the same order from here; the results are bit-identical to the
+// Python loop. (The CPU's counterpart of replaying a CUDA graph captured for decode steps, as vLLM and nano-vllm do
+// on GPUs.) Beyond saving the interpreter, the step's activations are allocated once for all layers, rotary and the
+// KV write run as one pass over the tokens, and the attention reads the queries in place in the fused QKV rows:
+// at 27 rows on SmolLM2-135M (bf16, 2 cores) each tensor view, allocation or copy cost microseconds a layer.
 #include "common.h"
+
+#include <ATen/Parallel.h>
 
 #include <tuple>
 #include <vector>
@@ -12,13 +17,39 @@
 // Tensors per layer in `layers` (see decode_layers).
 constexpr int64_t DECODE_LAYER_TENSORS = 10;
 
+namespace llm_cpu {
+namespace {
+// qkv: [rows, qkv_width] contiguous, each row num_heads query heads, then num_kv_heads key heads, then as many value
+// heads, head_dim each. Per row, in one parallel pass: rotary on the query and key heads in place
+// (rotary_embedding's rotate_head), then the row's key and value heads to its slot (write_kv's store).
+// cos, sin: [rows, head_dim] contiguous, checked by the caller; slots: [rows], checked against the pool here.
+template <typename T>
+void rotate_and_store_kv(T* qkv, int64_t rows, int64_t qkv_width, const T* cos, const T* sin, const int64_t* slots,
+                         const KvSlots& pool, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  pool.check(slots, rows);
+  const int64_t grain = std::max<int64_t>(1, 8192 / ((num_heads + num_kv_heads) * head_dim));  // rotary's
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv + t * qkv_width;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
+        rotate_head<T>(row + h * head_dim, cos + t * head_dim, sin + t * head_dim, head_dim / 2);
+      const T* key = row + num_heads * head_dim;
+      pool.store(slots[t], reinterpret_cast<const char*>(key),
+                 reinterpret_cast<const char*>(key + num_kv_heads * head_dim));
+    }
+    KvSlots::fence();
+  });
+}
+}  // namespace
+}  // namespace llm_cpu
+
 // hidden: [rows, hidden_size] (the token embeddings), rows <= small_gemm_max_rows; cos, sin: [rows, head_dim] (each
 // row's rotary tables); slot_mapping: [rows] int64; block_tables: [rows, max_blocks] int64; seq_lens: [rows] int64
 // (contexts with the new token). layers: DECODE_LAYER_TENSORS per layer: input norm weight, QKV packed by
 // small_gemm_pack, QKV bias (empty: none), O packed, O bias (empty: none), post-attention norm weight, gate-up
 // packed, down packed, key cache, value cache. A packed weight of dtype int8 (int8_gemm_pack) runs through int8_gemm,
-// with int8 activations (W8A8) where int8_activations. Returns (hidden, residual) after the last layer, as the Python
-// loop leaves them.
+// with int8 activations (W8A8) where int8_activations. Every layer has the first one's shapes. Returns (hidden,
+// residual) after the last layer, as the Python loop leaves them.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                        torch::Tensor seq_lens, std::vector<torch::Tensor> layers,
@@ -29,37 +60,51 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(torch::Tensor hidden, tor
               DECODE_LAYER_TENSORS, " tensors per layer");
   const int64_t rows = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(head_dim % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2
+              && cos.size(0) == rows && cos.size(1) == head_dim && sin.sizes() == cos.sizes()
+              && cos.scalar_type() == hidden.scalar_type() && sin.scalar_type() == hidden.scalar_type(),
+              "decode_layers: cos, sin [rows, head_dim] contiguous, of hidden's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows && slot_mapping.is_contiguous()
+              && slot_mapping.scalar_type() == at::kLong, "decode_layers: slot_mapping [rows] int64");
+  // The step's activations, written anew by every layer. Each GEMM's width is its packed weight's (blocks of 16).
+  const auto options = hidden.options();
+  const int64_t qkv_width = layers[1].size(0) * 16, gate_up_width = layers[6].size(0) * 16;
+  TORCH_CHECK(qkv_width >= q_size + 2 * kv_size && gate_up_width % 2 == 0, "decode_layers: QKV / gate-up widths");
+  torch::Tensor qkv = torch::empty({rows, qkv_width}, options);
+  torch::Tensor q = qkv.as_strided({rows, num_heads, head_dim}, {qkv_width, head_dim, 1});
+  torch::Tensor attn = torch::empty({rows, num_heads, head_dim}, options);
+  torch::Tensor attn_rows = attn.view({rows, q_size});
+  torch::Tensor gate_up = torch::empty({rows, gate_up_width}, options);
+  torch::Tensor act = torch::empty({rows, gate_up_width / 2}, options);
   auto bias = [](const torch::Tensor& b) { return b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt; };
-  auto gemm = [&](const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& b) {
-    torch::Tensor out = torch::empty({x.size(0), packed.size(0) * 16}, x.options());
-    if (packed.scalar_type() == at::kChar) int8_gemm(out, x, packed, b, int8_activations);  // weights from int8_gemm_pack
+  auto gemm = [&](torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
+                  const c10::optional<torch::Tensor>& b) {
+    TORCH_CHECK(packed.size(0) * 16 == out.size(1), "decode_layers: every layer has the first one's shapes");
+    if (packed.scalar_type() == at::kChar) int8_gemm(out, x, packed, b, int8_activations);  // int8_gemm_pack's
     else small_gemm(out, x, packed, b);
-    return out;
   };
-  torch::Tensor residual;
+  torch::Tensor residual = hidden;  // the first layer: the embeddings are the residual stream
+  hidden = torch::empty_like(residual);
   for (size_t first = 0; first < layers.size(); first += DECODE_LAYER_TENSORS) {
     const torch::Tensor* w = layers.data() + first;
-    if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
-      residual = hidden;
-      hidden = torch::empty_like(residual);
-      rms_norm(hidden.unsqueeze(1), residual.unsqueeze(1), w[0], eps);
-    } else {
-      fused_add_rms_norm(hidden, residual, w[0], eps);
-    }
-    torch::Tensor qkv = gemm(hidden, w[1], bias(w[2]));
-    torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
-    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
-    rotary_embedding(q, k, cos, sin);
-    write_kv(k, v, w[8], w[9], slot_mapping);
-    torch::Tensor attn = torch::empty({rows, num_heads, head_dim}, hidden.options());
-    paged_decode_attention(attn, q.contiguous(), w[8], w[9], block_tables, seq_lens, scale);
-    hidden = gemm(attn.view({rows, q_size}), w[3], bias(w[4]));
+    if (first == 0) rms_norm(hidden.unsqueeze(1), residual.unsqueeze(1), w[0], eps);
+    else fused_add_rms_norm(hidden, residual, w[0], eps);
+    gemm(qkv, hidden, w[1], bias(w[2]));
+    TORCH_CHECK(w[8].scalar_type() == qkv.scalar_type() && w[8].dim() == 4 && w[8].size(2) == num_kv_heads
+                && w[8].size(3) == head_dim, "decode_layers: caches [blocks, block_size, kv_heads, head_dim]");
+    llm_cpu::dispatch_float_types(qkv.scalar_type(), "decode_layers", [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      llm_cpu::rotate_and_store_kv<T>(reinterpret_cast<T*>(qkv.data_ptr()), rows, qkv_width,
+                                      reinterpret_cast<const T*>(cos.data_ptr()),
+                                      reinterpret_cast<const T*>(sin.data_ptr()), slot_mapping.data_ptr<int64_t>(),
+                                      llm_cpu::KvSlots(w[8], w[9]), num_heads, num_kv_heads, head_dim);
+    });
+    paged_decode_attention(attn, q, w[8], w[9], block_tables, seq_lens, scale);
+    gemm(hidden, attn_rows, w[3], bias(w[4]));
     fused_add_rms_norm(hidden, residual, w[5], eps);
-    torch::Tensor gate_up = gemm(hidden, w[6], c10::nullopt);
-    torch::Tensor act = torch::empty({rows, gate_up.size(1) / 2}, hidden.options());
+    gemm(gate_up, hidden, w[6], c10::nullopt);
     silu_and_mul(act, gate_up);
-    hidden = gemm(act, w[7], c10::nullopt);
+    gemm(hidden, act, w[7], c10::nullopt);
   }
   return {hidden, residual};
 }

@@ -11,6 +11,7 @@
 
 #include <cstring>
 
+namespace llm_cpu {
 namespace {
 // dst and bytes multiples of 64: full lines, written around the caches (no read for ownership).
 inline void stream_copy(char* dst, const char* src, int64_t bytes) {
@@ -23,14 +24,63 @@ inline void stream_copy(char* dst, const char* src, int64_t bytes) {
 }
 }  // namespace
 
+// One layer's paged pool as write_kv stores to it: key_cache, value_cache [num_blocks, block_size, num_kv_heads,
+// head_dim] contiguous, of one dtype (checked on construction); a slot is block * block_size + offset.
+class KvSlots {
+ public:
+  KvSlots(const torch::Tensor& key_cache, const torch::Tensor& value_cache)
+      : keys_(static_cast<char*>(key_cache.data_ptr())), values_(static_cast<char*>(value_cache.data_ptr())) {
+    TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous()
+                && value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
+                "write_kv: caches [num_blocks, block_size, heads, dim] of one dtype");
+    row_bytes_ = key_cache.size(2) * key_cache.size(3) * key_cache.element_size();
+    num_slots_ = key_cache.size(0) * key_cache.size(1);
+    whole_lines_ = row_bytes_ % 64 == 0 && reinterpret_cast<uintptr_t>(keys_) % 64 == 0
+                   && reinterpret_cast<uintptr_t>(values_) % 64 == 0;
+  }
+
+  // Raises unless every slot is below the pool's size (before anything is written).
+  void check(const int64_t* slots, int64_t tokens) const {
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slots[t] < num_slots_, "write_kv: slot ", slots[t], " out of range");
+  }
+
+  // One token's key and value rows (num_kv_heads x head_dim elements each, contiguous) to `slot`; slot < 0: nothing.
+  // Rows that are whole lines go with streaming stores; call fence() on the same thread before others read them.
+  void store(int64_t slot, const char* key, const char* value) const {
+    if (slot < 0) return;
+    if (whole_lines_) {
+      stream_copy(keys_ + slot * row_bytes_, key, row_bytes_);
+      stream_copy(values_ + slot * row_bytes_, value, row_bytes_);
+    } else {
+      std::memcpy(keys_ + slot * row_bytes_, key, row_bytes_);
+      std::memcpy(values_ + slot * row_bytes_, value, row_bytes_);
+    }
+  }
+
+  // Streaming stores are weakly ordered: this makes a thread's stores visible before the attention's threads read.
+  static void fence() {
+#if defined(__AVX512F__)
+    _mm_sfence();
+#endif
+  }
+
+  int64_t row_bytes() const { return row_bytes_; }
+
+ private:
+  char* keys_;
+  char* values_;
+  int64_t row_bytes_, num_slots_;
+  bool whole_lines_;
+};
+}  // namespace llm_cpu
+
 // key, value: [tokens, num_kv_heads, head_dim], each token's heads contiguous (views into the fused QKV output
 // are), any row stride; key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
 // slot_mapping: [tokens] int64, block * block_size + offset; slots < 0 are skipped (padding).
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping) {
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous()
-              && value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
-              "write_kv: caches [num_blocks, block_size, heads, dim] of one dtype");
+  const llm_cpu::KvSlots pool(key_cache, value_cache);
   const int64_t heads = key_cache.size(2), dim = key_cache.size(3), tokens = key.size(0);
   for (const auto& x : {key, value}) {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == tokens && x.size(1) == heads && x.size(2) == dim && x.stride(2) == 1
@@ -39,30 +89,13 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   }
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.is_contiguous()
               && slot_mapping.scalar_type() == at::kLong, "write_kv: slot_mapping [tokens] int64");
-  const int64_t elem = key.element_size(), row = heads * dim * elem;
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " out of range");
+  pool.check(slots, tokens);
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  const int64_t k_stride = key.stride(0) * elem, v_stride = value.stride(0) * elem;
-  const bool whole_lines = row % 64 == 0 && reinterpret_cast<uintptr_t>(kc) % 64 == 0
-                           && reinterpret_cast<uintptr_t>(vc) % 64 == 0;
+  const int64_t elem = key.element_size(), k_stride = key.stride(0) * elem, v_stride = value.stride(0) * elem;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      if (whole_lines) {
-        stream_copy(kc + slots[t] * row, k + t * k_stride, row);
-        stream_copy(vc + slots[t] * row, v + t * v_stride, row);
-      } else {
-        std::memcpy(kc + slots[t] * row, k + t * k_stride, row);
-        std::memcpy(vc + slots[t] * row, v + t * v_stride, row);
-      }
-    }
-#if defined(__AVX512F__)
-    _mm_sfence();  // streaming stores are weakly ordered: visible to the attention's threads before it runs
-#endif
+    for (int64_t t = begin; t < end; ++t) pool.store(slots[t], k + t * k_stride, v + t * v_stride);
+    llm_cpu::KvSlots::fence();
   });
 }

@@ -45,9 +45,9 @@ constexpr bool AVX2_READS_IN_PLACE = false;
 #endif
 
 template <typename T>
-void generic_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+void generic_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_cache, const T* value_cache,
+                   const int64_t* block_tables, const int64_t* seq_lens, int64_t batch, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // between tokens of a block
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -58,7 +58,7 @@ void generic_kernel(T* out, const T* q, const T* key_cache, const T* value_cache
       const int64_t* table = block_tables + seq * max_blocks;
       scores.resize(group * seq_len);
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = q + (seq * num_heads + kv_head * group + g) * head_dim;
+        const T* src = q + seq * q_row_stride + (kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_float(src[d]) * scale;
         maxima[g] = -std::numeric_limits<float>::infinity();
       }
@@ -588,9 +588,9 @@ inline std::vector<int32_t> longest_first(const int64_t* seq_lens, int64_t batch
 // when another process takes a share of one core (as tritonserver's and the stub's response threads do) the other
 // thread takes over its tasks instead of waiting for it at the barrier.
 template <typename T, int D>
-void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, const int64_t* block_tables,
-                 const int64_t* seq_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t block_size, int64_t max_blocks, float scale, int64_t heads_per_task) {
+void tile_kernel(T* out, const T* q, int64_t q_row_stride, const T* key_cache, const T* value_cache,
+                 const int64_t* block_tables, const int64_t* seq_lens, int64_t batch, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale, int64_t heads_per_task) {
   constexpr int C = D / 16;
   constexpr bool BF16_DOT = HAVE_BF16_DOT && std::is_same_v<T, bf16>;
   const int64_t group = num_heads / num_kv_heads;
@@ -608,7 +608,7 @@ void tile_kernel(T* out, const T* q, const T* key_cache, const T* value_cache, c
       const int64_t* table = block_tables + seq * max_blocks;
       const T* q_raw[MAX_KV_HEADS * MAX_GROUP];
       for (int64_t h = 0; h < heads; ++h) {
-        const T* src = q + (seq * num_heads + first_head + h) * D;
+        const T* src = q + seq * q_row_stride + (first_head + h) * D;
         q_raw[h] = src;
         for (int c = 0; c < C; ++c) { qv[h * C + c] = load_vf16(src + 16 * c) * scale; acc[h * C + c] = vf16{}; }
         maxima[h] = -std::numeric_limits<float>::infinity();
@@ -776,9 +776,9 @@ inline void amx_pv_group(int64_t group, const bf16* const* value_rows, int64_t k
 // The tasks of `tile_kernel` (sequence x heads_per_task KV heads, longest sequences first); heads_per_task x group
 // <= 16 query heads (the score tile's columns), heads_per_task x D / 32 <= AMX_MAX_STEPS, block_size % 16 == 0.
 template <int D>
-void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
-                       const int64_t* block_tables, const int64_t* seq_lens, int64_t batch, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
+void amx_decode_kernel(bf16* out, const bf16* q, int64_t q_row_stride, const bf16* key_cache,
+                       const bf16* value_cache, const int64_t* block_tables, const int64_t* seq_lens, int64_t batch,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
                        int64_t heads_per_task) {
   constexpr int C = D / 16;
   const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * D;
@@ -801,7 +801,7 @@ void amx_decode_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf
       const int64_t seq = order[i / splits], first_kv = (i % splits) * heads_per_task;
       const int64_t seq_len = seq_lens[seq];
       const int64_t* table = block_tables + seq * max_blocks;
-      const bf16* q_heads = q + (seq * num_heads + first_kv * group) * D;
+      const bf16* q_heads = q + seq * q_row_stride + first_kv * group * D;
       std::memset(qtiles, 0, sizeof(uint32_t) * 256 * steps);
       for (int64_t h = 0; h < heads; ++h) {  // query head h: column h of the steps of its KV head
         const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q_heads + h * D);
@@ -1263,11 +1263,13 @@ void check_paged_inputs(const torch::Tensor& key_cache, const torch::Tensor& val
 }
 }  // namespace
 
-// out, q: [batch, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+// out, q: [batch, num_heads, head_dim], out contiguous, q with each row's heads contiguous and any row stride (a
+// view of the fused QKV output will do); key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64 (keys 0..seq_len-1 are attended).
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows: [num_heads, head_dim] contiguous");
+  TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
               && block_tables.is_contiguous() && seq_lens.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
@@ -1282,6 +1284,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = reinterpret_cast<T*>(out.data_ptr());
     const T* qs = reinterpret_cast<const T*>(q.data_ptr());
+    const int64_t q_row_stride = q.stride(0);
     const T* kc = reinterpret_cast<const T*>(key_cache.data_ptr());
     const T* vc = reinterpret_cast<const T*>(value_cache.data_ptr());
     const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -1307,22 +1310,23 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
       if ((head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && num_heads / num_kv_heads <= 16
           && llm_cpu::amx_usable()) {
         const auto run = head_dim == 64 ? llm_cpu::amx_decode_kernel<64> : llm_cpu::amx_decode_kernel<128>;
-        return run(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, block_size, max_blocks, s, amx_heads);
+        return run(o, qs, q_row_stride, kc, vc, tables, lens, batch, num_heads, num_kv_heads, block_size, max_blocks,
+                   s, amx_heads);
       }
     }
 #endif
     if constexpr (vectorized) {
       if (tiled && head_dim == 64) {
-        return llm_cpu::tile_kernel<T, 64>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, block_size,
-                                           max_blocks, s, heads_per_task);
+        return llm_cpu::tile_kernel<T, 64>(o, qs, q_row_stride, kc, vc, tables, lens, batch, num_heads, num_kv_heads,
+                                           block_size, max_blocks, s, heads_per_task);
       }
       if (tiled && head_dim == 128) {
-        return llm_cpu::tile_kernel<T, 128>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, block_size,
-                                            max_blocks, s, heads_per_task);
+        return llm_cpu::tile_kernel<T, 128>(o, qs, q_row_stride, kc, vc, tables, lens, batch, num_heads, num_kv_heads,
+                                            block_size, max_blocks, s, heads_per_task);
       }
     }
-    llm_cpu::generic_kernel<T>(o, qs, kc, vc, tables, lens, batch, num_heads, num_kv_heads, head_dim, block_size,
-                               max_blocks, s);
+    llm_cpu::generic_kernel<T>(o, qs, q_row_stride, kc, vc, tables, lens, batch, num_heads, num_kv_heads, head_dim,
+                               block_size, max_blocks, s);
   });
 }
 
