@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream-interval", type=int,
                         help="our engine's and server's stream_interval: tokens per streamed delta after the first "
                              "(default 1)")
+    parser.add_argument("--max-step-ms", type=float,
+                        help="our engine's and server's step time budget in ms (default 0: none, as vLLM schedules; "
+                             "the served model's config.pbtxt sets 50)")
     parser.add_argument("--rounds", type=int,
                         help="run the systems this many times in turn; ratios per round and their median (default 1)")
     parser.add_argument("--served-offline-stream", action="store_true",
@@ -73,7 +76,7 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BenchC
     values["quick"] = args.quick
     for field in ("num_requests", "seed", "rate", "concurrency", "model", "dtype", "threads", "static_batch",
                   "max_num_seqs", "max_num_batched_tokens", "stream_interval", "rounds", "output_dir", "shape",
-                  "llamacpp_quant", "quantization"):
+                  "llamacpp_quant", "quantization", "max_step_ms"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     for field in ("naive_max_requests", "static_max_requests", "online_max_requests"):

@@ -53,8 +53,8 @@ class BenchConfig:
         max_num_seqs / max_num_batched_tokens / block_size / kv_cache_bytes: the batching limits and KV pool
             (bytes) given to our engine and, translated, to transformers' continuous batching; they match the
             server's model ``llm`` version 2 (its KV pool is 20% of free memory, at most 4 GiB: 4 GiB here).
-        max_step_ms: our in-process engine's step time budget (0: none, the library default; the served model
-            sets 50; ``benchmarks.step_budget`` compares them).
+        max_step_ms: our engine's and server's step time budget (0: none, the library default, and vLLM has none;
+            the served model's ``config.pbtxt`` sets 50; ``benchmarks.step_budget`` compares them).
         ceiling_steps: timed decode steps of the forward-only ceiling.
         stream_interval: our engine's and server's ``stream_interval`` (1: every token streamed on its own;
             vLLM is run with its default, 1).

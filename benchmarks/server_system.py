@@ -10,10 +10,11 @@ asyncio event loop on one channel (``tritonclient.grpc.aio``) rather than a thre
 which cost the server about 5% of its throughput on 2 cores (0.1-0.2 of a core at 256 streams).
 
 The server runs model ``llm`` version 2 of a copy of ``model_repository/`` whose ``2/engine.json`` sets only the
-benchmark's dtype and stream_interval (so that in-process and served runs compute the same thing): otherwise
+benchmark's dtype, stream_interval, quantization and step time budget (``max_step_ms``: 0, none, unless
+``--max-step-ms``), so that in-process and served runs compute and schedule the same thing: otherwise
 ``config.pbtxt``'s settings (max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, KV cache sized from
 free memory: 20% of it, at most 4 GiB) on the default model, with torch's default thread count in its own
-process. Its running batch is sampled from its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
+process. ``--max-step-ms 50`` measures both with the served model's own budget. Its running batch is sampled from its ``/metrics`` (``llm_num_requests_running``) while the run lasts.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ MODEL_VERSION = "2"
 STREAMED_OUTPUTS = ("text_output", "output_ids")
 
 
+def served_settings(config: BenchConfig) -> dict:
+    """The ``engine.json`` of the served version: the settings the in-process engine gets from ``config`` that the
+    served model's ``config.pbtxt`` would otherwise set differently (its step time budget, 50 ms, holds prompts back
+    for the streams' sake: an offline batch then runs in more, smaller steps than the in-process engine's)."""
+    return {"dtype": config.dtype, "stream_interval": config.stream_interval, "quantization": config.quantization,
+            "max_step_ms": config.max_step_ms}
+
+
 class ServerSystem:
     name = "server"
 
@@ -57,9 +66,7 @@ class ServerSystem:
         if server is None:
             workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
             self.log_path = workdir / "tritonserver.log"
-            settings = {"dtype": config.dtype, "stream_interval": config.stream_interval,
-                        "quantization": config.quantization}
-            repository = copy_repository(workdir / "model_repository", {MODEL_VERSION: settings})
+            repository = copy_repository(workdir / "model_repository", {MODEL_VERSION: served_settings(config)})
             try:
                 server = start_server(self.log_path, model_repository=repository)
             except RuntimeError:  # start-up races with other servers on the machine happen: one more try

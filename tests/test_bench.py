@@ -187,6 +187,21 @@ def test_summary_follows_the_definitions():
     assert not_streamed["itl_ms_p50"] is None
 
 
+@pytest.mark.parametrize("argv", [[], ["--max-step-ms", "50", "--stream-interval", "4", "--dtype", "float32"]])
+def test_the_served_engine_is_set_as_the_in_process_one(argv):
+    """The server's version gets every setting of its engine.json from the benchmark's in-process engine settings,
+    the step time budget included: by default none (the served model's config.pbtxt sets 50 ms, which schedules an
+    offline batch in more, smaller steps than the in-process engine and vLLM do)."""
+    from benchmarks.engine_system import engine_config
+    from benchmarks.server_system import served_settings
+
+    config = parse_args(argv)
+    settings = served_settings(config)
+    assert settings["max_step_ms"] == config.max_step_ms == (50 if argv else 0)
+    engine = engine_config(config)
+    assert {name: getattr(engine, name) for name in settings} == settings
+
+
 def test_command_line():
     quick = parse_args(["--quick", "--seed", "7", "--systems", "engine,ceiling", "--output-dir", "x"])
     assert (quick.quick, quick.seed, quick.systems, quick.output_dir) == (True, 7, ("engine", "ceiling"), "x")
@@ -202,7 +217,9 @@ def test_command_line():
     assert [quick.max_requests(s, "online") for s in ("naive", "static", "engine")] == [4, None, None]
     assert default.max_requests("engine", "concurrent") == 64 and default.concurrency == 16 and quick.concurrency == 4
     assert parse_args(["--concurrency", "3"]).concurrency == 3
+    assert default.max_step_ms == 0 and parse_args(["--max-step-ms", "50"]).max_step_ms == 50
     for bad in (["--systems", "engine,nonsense"], ["--systems", ","], ["--online-max-requests", "-1"],
+                ["--max-step-ms", "-1"], ["--max-step-ms", "inf"],
                 ["--static-max-requests", "-3"], ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "0"],
                 ["--rate", "nan"], ["--rate", "inf"], ["--num-requests", "0"], ["--concurrency", "0"],
                 ["--modes", "offline,closed"]):
