@@ -101,6 +101,8 @@ def test_kernels_reject_mismatched_shapes():
         kernels.cpu.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         kernels.cpu._module().silu_and_mul(torch.empty(4, 5), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="rotary_embedding"):  # heads of no width: an error, not SIGFPE
+        kernels.cpu.rotary_embedding(torch.empty(4, 2, 0), torch.empty(4, 1, 0), torch.empty(4, 0), torch.empty(4, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -158,14 +160,14 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
 
 
 @pytest.mark.skipif(not kernels.cpu.small_gemm_available(torch.float32), reason="no small_gemm for fp32 here")
-def test_decode_layers_refuses_a_slot_past_the_pool_and_a_layer_of_other_shapes_before_writing():
-    """decode_layers stores each layer's K and V in the same pass as rotary: a slot past the pool raises before
-    the first layer writes anything, and every layer must have the first one's shapes (its activations are
-    allocated once for all layers)."""
+def test_decode_layers_checks_every_layer_before_the_first_writes_its_kv_cache():
+    """decode_layers stores each layer's K and V in the same pass as rotary, and its activations are allocated
+    once for all layers: a slot past a later layer's (smaller) pool, or a later layer of other shapes, raises before
+    the first layer writes anything; so do degenerate head shapes and fp16 activations."""
     torch.manual_seed(5)
-    hidden_size, heads, kv_heads, dim, inter, rows, blocks, block_size = 64, 4, 2, 16, 96, 3, 4, 16
+    hidden_size, heads, kv_heads, dim, inter, rows, block_size = 64, 4, 2, 16, 96, 3, 16
 
-    def layer(intermediate: int) -> list[torch.Tensor]:
+    def layer(intermediate: int = inter, blocks: int = 4) -> list[torch.Tensor]:
         def packed(n: int, k: int) -> torch.Tensor:
             return kernels.cpu.small_gemm_pack(torch.randn(n, k) * 0.1)
         return [torch.ones(hidden_size), packed((heads + 2 * kv_heads) * dim, hidden_size), torch.empty(0),
@@ -177,20 +179,23 @@ def test_decode_layers_refuses_a_slot_past_the_pool_and_a_layer_of_other_shapes_
     cos, sin = torch.cat([theta.cos()] * 2, 1), torch.cat([theta.sin()] * 2, 1)
     tables, lens = torch.tensor([[0], [1], [2]]), torch.tensor([1, 1, 1])
 
-    def run(layers: list[torch.Tensor], slots: list[int]):
-        return kernels.cpu.decode_layers(torch.randn(rows, hidden_size), cos, sin, torch.tensor(slots), tables, lens,
-                                         layers, heads, kv_heads, dim, 1e-5, dim ** -0.5)
+    def run(layers: list[torch.Tensor], slots: list[int], hidden=None, heads_=heads, kv_heads_=kv_heads, dim_=dim):
+        hidden = torch.randn(rows, hidden_size) if hidden is None else hidden
+        return kernels.cpu.decode_layers(hidden, cos, sin, torch.tensor(slots), tables, lens, layers, heads_,
+                                         kv_heads_, dim_, 1e-5, dim ** -0.5)
 
-    good = layer(inter) + layer(inter)
+    good = layer() + layer()
     hidden, residual = run(good, [0, 16, 32])
     assert hidden.shape == residual.shape == (rows, hidden_size) and torch.isfinite(hidden).all()
     assert all(good[8][block, 0].abs().sum() > 0 for block in range(3))  # each row's key at its slot
-    fresh = layer(inter) + layer(inter)
-    with pytest.raises(RuntimeError, match="out of range"):
-        run(fresh, [0, 16, blocks * block_size])
-    assert all(not t.any() for t in fresh[8::10] + fresh[9::10])  # no layer wrote its cache
-    with pytest.raises(RuntimeError, match="first one's shapes"):
-        run(layer(inter) + layer(inter + 16), [0, 16, 32])
+    for layers, slots, match in ((layer() + layer(blocks=2), [0, 16, 40], "out of range"),
+                                 (layer() + layer(inter + 16), [0, 16, 32], "GEMM widths differ")):
+        with pytest.raises(RuntimeError, match=match):
+            run(layers, slots)
+        assert all(not t.any() for t in layers[8::10] + layers[9::10])  # no layer wrote its cache
+    for bad in (dict(dim_=0), dict(kv_heads_=0), dict(heads_=3), dict(hidden=torch.randn(rows, hidden_size).half())):
+        with pytest.raises(RuntimeError, match="decode_layers"):
+            run(layer() + layer(), [0, 16, 32], **bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

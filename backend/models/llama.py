@@ -164,13 +164,14 @@ class LlamaDecoder(torch.nn.Module):
         self.register_buffer("cos_cache", cos[0].contiguous(), persistent=False)  # [max_model_len, head_dim]
         self.register_buffer("sin_cache", sin[0].contiguous(), persistent=False)
         # Decode steps that small_gemm takes (at most 64 rows on AMX, 256 elsewhere; int8_gemm: 256) run every layer
-        # in one C++ call (cpu_ops.decode_layers) when every GEMM has its small-batch layout (or is int8) and the
-        # layers have nothing it leaves out (Qwen3's q/k norms).
+        # in one C++ call (cpu_ops.decode_layers) when every GEMM has its small-batch layout (or is int8), of one
+        # shape across the layers, and the layers have nothing it leaves out (Qwen3's q/k norms).
         layers = list(self.layers)
+        projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         self.decode_in_one_call = (
             cpu_kernels and (small_batch or quantization != "none") and all(layer.q_norm is None for layer in layers)
-            and all(linear.small_batch is not None for layer in layers
-                    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+            and all(getattr(layer, name).small_batch is not None for layer in layers for name in projections)
+            and all(len({getattr(layer, name).small_batch.shape for layer in layers}) == 1 for name in projections)
             and len({norm.eps for layer in layers
                      for norm in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
             and len({layer.scale for layer in layers}) == 1)

@@ -450,8 +450,9 @@ def decode_layers(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sl
         ``(hidden, residual)`` after the last layer, ``[rows, hidden_size]`` each.
 
     Raises:
-        RuntimeError: the extension could not be built, shapes / dtypes / layouts do not match, or a slot is past
-            the KV pool (raised before any layer writes).
+        RuntimeError: the extension could not be built, shapes / dtypes / layouts do not match, a layer's shapes
+            differ from the first one's, or a slot is past a layer's KV pool (all checked before any layer writes
+            its KV cache).
     """
     return _module().decode_layers(hidden, cos, sin, slot_mapping, block_tables, seq_lens, layers, num_heads,
                                    num_kv_heads, head_dim, eps, scale, int8_activations)

@@ -32,7 +32,7 @@ class KvSlots {
       : keys_(static_cast<char*>(key_cache.data_ptr())), values_(static_cast<char*>(value_cache.data_ptr())) {
     TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous()
                 && value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
-                "write_kv: caches [num_blocks, block_size, heads, dim] of one dtype");
+                "KV caches: [num_blocks, block_size, heads, dim] contiguous, of one dtype");
     row_bytes_ = key_cache.size(2) * key_cache.size(3) * key_cache.element_size();
     num_slots_ = key_cache.size(0) * key_cache.size(1);
     whole_lines_ = row_bytes_ % 64 == 0 && reinterpret_cast<uintptr_t>(keys_) % 64 == 0
@@ -42,7 +42,7 @@ class KvSlots {
   // Raises unless every slot is below the pool's size (before anything is written).
   void check(const int64_t* slots, int64_t tokens) const {
     for (int64_t t = 0; t < tokens; ++t)
-      TORCH_CHECK(slots[t] < num_slots_, "write_kv: slot ", slots[t], " out of range");
+      TORCH_CHECK(slots[t] < num_slots_, "KV slot ", slots[t], " out of range: the pool has ", num_slots_, " slots");
   }
 
   // One token's key and value rows (num_kv_heads x head_dim elements each, contiguous) to `slot`; slot < 0: nothing.

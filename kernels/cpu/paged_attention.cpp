@@ -1268,7 +1268,8 @@ void check_paged_inputs(const torch::Tensor& key_cache, const torch::Tensor& val
 // block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64 (keys 0..seq_len-1 are attended).
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows: [num_heads, head_dim] contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: [rows, num_heads, head_dim], each row's heads contiguous");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
               && block_tables.is_contiguous() && seq_lens.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
@@ -1338,7 +1339,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor ke
 bool paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                              torch::Tensor block_tables, torch::Tensor cu_seqlens, torch::Tensor seq_lens,
                              double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows: [num_heads, head_dim] contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: [rows, num_heads, head_dim], each row's heads contiguous");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous()
               && block_tables.is_contiguous() && cu_seqlens.is_contiguous() && seq_lens.is_contiguous(),
               "inputs must be contiguous");

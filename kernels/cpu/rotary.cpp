@@ -32,7 +32,8 @@ void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.stride(2) == 1 && key.stride(2) == 1,
               "rotary_embedding: query and key must be [tokens, heads, head_dim] with unit stride in head_dim");
   const int64_t tokens = query.size(0), head_dim = query.size(2);
-  TORCH_CHECK(key.size(0) == tokens && key.size(2) == head_dim && head_dim % 2 == 0, "rotary_embedding: shapes");
+  TORCH_CHECK(key.size(0) == tokens && key.size(2) == head_dim && head_dim > 0 && head_dim % 2 == 0,
+              "rotary_embedding: shapes");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens
               && cos.size(1) == head_dim && sin.sizes() == cos.sizes(), "rotary_embedding: cos/sin [tokens, head_dim]");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && cos.scalar_type() == query.scalar_type()
@@ -44,7 +45,7 @@ void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
     T* k = reinterpret_cast<T*>(key.data_ptr());
     const T* c = reinterpret_cast<const T*>(cos.data_ptr());
     const T* s = reinterpret_cast<const T*>(sin.data_ptr());
-    const int64_t grain = std::max<int64_t>(1, 8192 / ((num_heads + num_kv_heads) * head_dim));
+    const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, (num_heads + num_kv_heads) * head_dim));
     at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const T* ct = c + t * head_dim;
