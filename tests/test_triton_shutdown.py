@@ -13,9 +13,18 @@ import psutil
 import pytest
 
 from client import LLMClient, LLMError
-from triton_server import start_server
+from triton_server import start_server, stop_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # a server (launcher) of its own: minutes
+
+
+@pytest.fixture
+def server(tmp_path, default_model_dir):
+    """A server of the test's own, which the test stops; stopped here if a failed assertion left it running."""
+    server = start_server(tmp_path / "tritonserver.log")
+    yield server
+    if server.process.poll() is None:
+        stop_server(server)
 
 
 def stubs_of(server) -> list[psutil.Process]:
@@ -34,8 +43,7 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> list[int]:
     return alive
 
 
-def test_sigterm_after_serving_unloads_promptly(tmp_path, default_model_dir):
-    server = start_server(tmp_path / "tritonserver.log")
+def test_sigterm_after_serving_unloads_promptly(server):
     stubs = stubs_of(server)
     client = LLMClient(server.grpc_url, server.http_url)
     # ignore_eos: a sampled answer may end before 8 tokens
@@ -52,8 +60,7 @@ def test_sigterm_after_serving_unloads_promptly(tmp_path, default_model_dir):
     assert not wait_gone(stubs, 5)
 
 
-def test_stub_exits_when_the_server_is_killed_mid_stream(tmp_path, default_model_dir):
-    server = start_server(tmp_path / "tritonserver.log")
+def test_stub_exits_when_the_server_is_killed_mid_stream(server):
     stubs = stubs_of(server)
     client = LLMClient(server.grpc_url, server.http_url)
     received, ended = [], threading.Event()
