@@ -32,9 +32,9 @@ from openai_frontend import metrics
 from openai_frontend.auth import protect
 from openai_frontend.chat_template import chat_prompt_ids
 from openai_frontend.errors import OpenAIError, internal_error
-from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, max_model_len,
-                                    render_token_ids, vocab_size, warm_tokenizers)
-from openai_frontend.models import model_ids, resolve, tokenizer_for
+from openai_frontend.limits import (Limits, check_completion_count, install_limits, json_response, render_token_ids,
+                                    warm_tokenizers)
+from openai_frontend.models import ModelFiles, model_ids, resolve
 from openai_frontend.protocol import OPENAI_UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import responses_routes
 from openai_frontend.text_check import LoneSurrogateMiddleware
@@ -74,6 +74,7 @@ _UNION_MEMBER = re.compile(r"str|int|float|bool|none|[a-z-]+\[.*\]")
 
 def create_app(config: FrontendConfig) -> FastAPI:
     triton = TritonLLM(config.triton_url, config.model_repository)
+    files = ModelFiles(config.model_repository, config.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,8 +156,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
             entry = {"id": model_id, "object": "model", "created": created, "owned_by": "triton"}
             name, _, version = model_id.partition("/")
             try:  # vLLM's field, which clients size their requests by; left out where the repository cannot tell
-                entry["max_model_len"] = await asyncio.to_thread(max_model_len, config.model_repository, name,
-                                                                 version)
+                entry["max_model_len"] = await files.max_model_len(name, version)
             except Exception as exc:  # noqa: BLE001 - a model whose config cannot be read here
                 log.warning("max_model_len of %s unknown to the frontend: %s", model_id, exc)
             data.append(entry)
@@ -169,9 +169,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         check_completion_count(len(prompts), body.n, config.limits)
         name, version = await resolve(triton, body.model)
         if body.add_special_tokens is False:  # vLLM's: text prompts without the tokenizer's BOS and the like
-            tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name,
-                                                version)
-            limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)
+            tokenizer = await files.tokenizer(name, version)
+            limit = await files.max_model_len(name, version)
             prompts = await render_token_ids(tokenizer, prompts, limit, add_special_tokens=False)
         # echo with max_tokens 0 scores the prompt alone (as vLLM: one token is generated and dropped).
         echo_only = bool(body.echo) and body.max_tokens == 0
@@ -185,7 +184,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         texts, ids, token_bytes = [p if isinstance(p, str) else "" for p in prompts], [None] * len(prompts), None
         if body.logprobs is not None or (body.echo and (body.truncate_prompt_tokens is not None
                                                         or any(not isinstance(p, str) for p in prompts))):
-            tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
+            tokenizer = await files.tokenizer(name, version)
             token_bytes = TokenBytes(tokenizer, body.skip_special_tokens is not False)
             if body.echo:
                 texts, ids = await asyncio.to_thread(_echo_prompts, tokenizer, prompts, echo_logprobs,
@@ -216,7 +215,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
                                   "invalid_value", "tool_choice")
             sampling["structured_outputs"] = tools.structured_outputs()
         name, version = await resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)  # the first load takes seconds
+        tokenizer = await files.tokenizer(name, version)
         prompt_ids = await _chat_prompt_ids(tokenizer, body, tools, name, version)
         request_id = _request_id(body, request)
         view = _View("chat.completion", f"chatcmpl-{request_id}", body.model, chat=True, echo=False,
@@ -231,7 +230,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     async def _chat_prompt_ids(tokenizer, body: ChatCompletionRequest, tools: ToolChoice, name: str,
                                version: str) -> list[int]:
-        limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
+        limit = await files.max_model_len(name, version)
         return await chat_prompt_ids(tokenizer, body, tools, config.chat_template, config.trust_request_chat_template,
                                      limit)
 
@@ -244,14 +243,14 @@ def create_app(config: FrontendConfig) -> FastAPI:
         prompts = body.prompts
         check_completion_count(len(prompts), 1, config.limits)
         name, version = await resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
+        tokenizer = await files.tokenizer(name, version)
         if any(isinstance(prompt, list) for prompt in prompts):  # ids as the engine checks them
-            vocab = await asyncio.to_thread(vocab_size, config.model_repository, name, version)
+            vocab = await files.vocab_size(name, version)
             bad = next((t for prompt in prompts if isinstance(prompt, list) for t in prompt if t >= vocab), None)
             if bad is not None:
                 raise OpenAIError(400, f"prompt token ids must be integers in [0, {vocab}), got {bad}",
                                   "invalid_value", "prompt")
-        limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
+        limit = await files.max_model_len(name, version)
         ids = await render_token_ids(tokenizer, prompts, limit)
         return await json_response([{"token_ids": token_ids} for token_ids in ids])
 
@@ -259,12 +258,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def chat_completions_render(body: ChatCompletionRequest):
         body.check()
         name, version = await resolve(triton, body.model)
-        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
+        tokenizer = await files.tokenizer(name, version)
         tools = await asyncio.to_thread(ToolChoice.from_request, body.tools, body.tool_choice,  # checks schemas
                                         body.parallel_tool_calls)
         return await json_response({"token_ids": await _chat_prompt_ids(tokenizer, body, tools, name, version)})
 
-    app.include_router(token_routes(triton, config))
+    app.include_router(token_routes(triton, config, files))
     app.include_router(responses_routes(chat_completions))  # POST /v1/responses, over the chat route
     return app
 

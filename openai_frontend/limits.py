@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,7 +32,7 @@ from fastapi.responses import Response
 from backend.prompt_limits import check_prompt_bytes, encode_prompt, max_token_bytes
 from openai_frontend.auth import send_error
 from openai_frontend.errors import OpenAIError
-from openai_frontend.models import model_source
+from openai_frontend.models import tokenizer_for
 
 log = logging.getLogger("openai_frontend")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -204,8 +203,6 @@ def warm_tokenizers(repository: Path, tokenizer: str | None) -> int:
     5 ms turns, and delay every other request; the frontend does it before it starts serving instead. A
     version whose tokenizer cannot be loaded is skipped (its requests get the error then).
     """
-    from openai_frontend.models import tokenizer_for
-
     loaded = 0
     models = [p for p in repository.iterdir() if p.is_dir()] if repository.is_dir() else []
     for model in models:
@@ -221,44 +218,3 @@ def warm_tokenizers(repository: Path, tokenizer: str | None) -> int:
 @lru_cache(maxsize=8)
 def _max_token_bytes(tokenizer) -> int:
     return max_token_bytes(tokenizer)
-
-
-def max_model_len(repository: Path, name: str, version: str) -> int:
-    """The ``max_model_len`` a model version runs with, as its engine reads it: ``<version>/engine.json``
-    over config.pbtxt's parameter (version "" = the newest version directory); where neither sets it, the
-    model's own, as the engine derives it (``backend.model_support.default_max_model_len``)."""
-    directory = repository / name
-    value = None
-    config = directory / "config.pbtxt"
-    if config.exists():
-        match = re.search(r'key:\s*"max_model_len"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config.read_text())
-        value = match[1] if match else None
-    versions = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
-        if directory.is_dir() else []
-    version = version or (str(versions[0]) if versions else "")
-    engine = directory / version / "engine.json"
-    if version and engine.exists():
-        value = json.loads(engine.read_text()).get("max_model_len", value)
-    try:
-        if value not in (None, ""):
-            return int(value)
-    except (TypeError, ValueError):
-        pass  # the engine refused to load such a value: no request reaches this model
-    from backend.model_support import default_max_model_len
-
-    return default_max_model_len(_model_config(model_source(repository, name, version)))
-
-
-def vocab_size(repository: Path, name: str, version: str) -> int:
-    """The size of the vocabulary a model version embeds (its config's ``vocab_size``): token ids at or above it
-    are refused by the engine."""
-    return _model_config(model_source(repository, name, version)).vocab_size
-
-
-@lru_cache(maxsize=16)
-def _model_config(source: str):
-    from transformers import AutoConfig
-
-    from backend.model_loader import resolve_model_dir
-
-    return AutoConfig.from_pretrained(resolve_model_dir(source or None))

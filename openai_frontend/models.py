@@ -1,8 +1,9 @@
-"""Which models Triton serves under which OpenAI ids, and each one's tokenizer (read from the model repository,
-as the engine reads its model)."""
+"""Which models Triton serves under which OpenAI ids, and what the frontend reads of each from the model repository
+(its tokenizer, ``max_model_len`` and vocabulary size), as the engine reads its model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from functools import lru_cache
@@ -42,6 +43,32 @@ async def resolve(triton: TritonLLM, model_id: str) -> tuple[str, str]:
     return name, version
 
 
+class ModelFiles:
+    """What the routes read of a model version's files, off the event loop: the first read of a tokenizer or a
+    model config takes seconds of file and Python work (cached after), and settings are read from
+    config.pbtxt and engine.json on every call, so that a version loaded anew is read as its engine reads it.
+
+    Args:
+        repository: the Triton model repository; tokenizer: one tokenizer for every model (None: each model's own).
+    """
+
+    def __init__(self, repository: Path, tokenizer: str | None) -> None:
+        self.repository = repository
+        self.tokenizer_source = tokenizer
+
+    async def tokenizer(self, name: str, version: str):
+        """:func:`tokenizer_for` the version."""
+        return await asyncio.to_thread(tokenizer_for, self.repository, self.tokenizer_source, name, version)
+
+    async def max_model_len(self, name: str, version: str) -> int:
+        """:func:`max_model_len` of the version, in tokens."""
+        return await asyncio.to_thread(max_model_len, self.repository, name, version)
+
+    async def vocab_size(self, name: str, version: str) -> int:
+        """:func:`vocab_size` of the version."""
+        return await asyncio.to_thread(vocab_size, self.repository, name, version)
+
+
 def tokenizer_for(repository: Path, tokenizer: str | None, name: str, version: str):
     """The tokenizer of a model version: ``tokenizer`` (one for every model) if given, else the model's own
     (loaded once, cached; the first load takes seconds: call it off the event loop)."""
@@ -51,19 +78,47 @@ def tokenizer_for(repository: Path, tokenizer: str | None, name: str, version: s
 def model_source(repository: Path, name: str, version: str) -> str:
     """The model a version serves, as its engine reads it: config.pbtxt's ``model`` parameter, then
     ``<version>/engine.json`` (version "" = the newest version directory); "" is the default model."""
+    return _setting(repository, name, version, "model") or ""
+
+
+def max_model_len(repository: Path, name: str, version: str) -> int:
+    """The ``max_model_len`` a model version runs with, as its engine reads it: ``<version>/engine.json``
+    over config.pbtxt's parameter (version "" = the newest version directory); where neither sets it, the
+    model's own, as the engine derives it (``backend.model_support.default_max_model_len``)."""
+    value = _setting(repository, name, version, "max_model_len")
+    try:
+        if value not in (None, ""):
+            return int(value)
+    except (TypeError, ValueError):
+        pass  # the engine refused to load such a value: no request reaches this model
+    from backend.model_support import default_max_model_len
+
+    return default_max_model_len(_model_config(model_source(repository, name, version)))
+
+
+def vocab_size(repository: Path, name: str, version: str) -> int:
+    """The size of the vocabulary a model version embeds (its config's ``vocab_size``): token ids at or above it
+    are refused by the engine."""
+    return _model_config(model_source(repository, name, version)).vocab_size
+
+
+def _setting(repository: Path, name: str, version: str, key: str):
+    """An engine setting of a model version as its engine reads it: ``<version>/engine.json``'s over config.pbtxt's
+    parameter (version "" = the newest version directory); None where neither sets it. An empty string or null
+    means the setting's default to the engine, and to the callers here."""
     directory = repository / name
-    source = ""
+    value = None
     config = directory / "config.pbtxt"
     if config.exists():
-        match = re.search(r'key:\s*"model"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config.read_text())
-        source = match[1] if match else ""
+        match = re.search(rf'key:\s*"{re.escape(key)}"\s*value:\s*\{{\s*string_value:\s*"([^"]*)"', config.read_text())
+        value = match[1] if match else None
     versions = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
         if directory.is_dir() else []
     version = version or (str(versions[0]) if versions else "")
     engine = directory / version / "engine.json"
     if version and engine.exists():
-        source = json.loads(engine.read_text()).get("model", source) or source
-    return source
+        value = json.loads(engine.read_text()).get(key, value)
+    return value
 
 
 @lru_cache(maxsize=8)
@@ -73,3 +128,12 @@ def _load_tokenizer(source: str):
     from backend.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(source or None))
+
+
+@lru_cache(maxsize=16)
+def _model_config(source: str):
+    from transformers import AutoConfig
+
+    from backend.model_loader import resolve_model_dir
+
+    return AutoConfig.from_pretrained(resolve_model_dir(source or None))

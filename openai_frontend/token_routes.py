@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict
 
 from openai_frontend.chat_template import chat_prompt_ids
 from openai_frontend.errors import OpenAIError
-from openai_frontend.limits import json_response, max_model_len, render_token_ids
-from openai_frontend.models import resolve, tokenizer_for
+from openai_frontend.limits import json_response, render_token_ids
+from openai_frontend.models import ModelFiles, resolve
 from openai_frontend.protocol import chat_completion_request
 from openai_frontend.tool_calls import ToolChoice
 from openai_frontend.triton_stream import TritonLLM
@@ -46,14 +46,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def token_routes(triton: TritonLLM, config) -> APIRouter:
-    """The routes, over ``triton`` and the frontend's ``config`` (model repository and tokenizer)."""
+def token_routes(triton: TritonLLM, config, files: ModelFiles) -> APIRouter:
+    """The routes, over ``triton``, the frontend's ``config`` (chat template settings) and the models' ``files``."""
     router = APIRouter()
 
     async def tokenizer(model: str):
         name, version = await resolve(triton, model)
-        tokenizer = await asyncio.to_thread(tokenizer_for, config.model_repository, config.tokenizer, name, version)
-        return tokenizer, name, version
+        return await files.tokenizer(name, version), name, version
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
@@ -77,7 +76,7 @@ def token_routes(triton: TritonLLM, config) -> APIRouter:
             tools = await asyncio.to_thread(ToolChoice.from_request, chat.tools, chat.tool_choice,  # checks schemas
                                             chat.parallel_tool_calls)
         tok, name, version = await tokenizer(body.model)
-        limit = await asyncio.to_thread(max_model_len, config.model_repository, name, version)  # reads files
+        limit = await files.max_model_len(name, version)
         if chat is not None:
             ids = await chat_prompt_ids(tok, chat, tools, config.chat_template, config.trust_request_chat_template,
                                         limit)

@@ -639,7 +639,7 @@ def test_max_model_len_is_the_engines_for_each_version(tiny_model_dir, tmp_path)
     """The bound the frontend answers (/tokenize, the render routes) is the one the model's engine runs with:
     engine.json over config.pbtxt, and where neither sets it the model's own positions (1024 here), not a cap."""
     from openai_frontend.app import DEFAULT_MODEL_REPOSITORY
-    from openai_frontend.limits import max_model_len
+    from openai_frontend.models import max_model_len
 
     config = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
     served = int(re.search(r'key: "max_model_len" value: \{ string_value: "(\d+)"', config)[1])
@@ -649,3 +649,19 @@ def test_max_model_len_is_the_engines_for_each_version(tiny_model_dir, tmp_path)
     assert max_model_len(tmp_path, "tiny", "1") == 1024
     (tmp_path / "tiny" / "1" / "engine.json").write_text(json.dumps({"model": tiny_model_dir, "max_model_len": 512}))
     assert max_model_len(tmp_path, "tiny", "1") == 512
+
+
+def test_the_model_a_version_serves_is_the_engines(tiny_model_dir, tmp_path):
+    """The model whose tokenizer and config the frontend reads is the one the engine loads: engine.json's
+    ``model`` over config.pbtxt's, and an empty one is the default model to both (``EngineConfig.from_dict``)."""
+    from backend.config import EngineConfig
+    from openai_frontend.models import model_source
+
+    (tmp_path / "tiny" / "1").mkdir(parents=True)
+    (tmp_path / "tiny" / "config.pbtxt").write_text(
+        f'parameters: {{ key: "model" value: {{ string_value: "{tiny_model_dir}" }} }}\n')
+    assert model_source(tmp_path, "tiny", "1") == tiny_model_dir
+    (tmp_path / "tiny" / "1" / "engine.json").write_text(json.dumps({"model": ""}))
+    assert model_source(tmp_path, "tiny", "1") == ""
+    assert EngineConfig.from_dict({"model": tiny_model_dir, **json.loads((tmp_path / "tiny" / "1" / "engine.json")
+                                                                         .read_text())}).model is None
