@@ -150,17 +150,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        created = int(time.time())
-        data = []
-        for model_id in await model_ids(triton):
-            entry = {"id": model_id, "object": "model", "created": created, "owned_by": "triton"}
-            name, _, version = model_id.partition("/")
-            try:  # vLLM's field, which clients size their requests by; left out where the repository cannot tell
-                entry["max_model_len"] = await files.max_model_len(name, version)
-            except Exception as exc:  # noqa: BLE001 - a model whose config cannot be read here
-                log.warning("max_model_len of %s unknown to the frontend: %s", model_id, exc)
-            data.append(entry)
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [await files.card(model_id) for model_id in await model_ids(triton)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+import time
 from functools import lru_cache
 from pathlib import Path
 
 from openai_frontend.errors import OpenAIError
 from openai_frontend.triton_stream import TritonLLM
+
+log = logging.getLogger("openai_frontend")
 
 
 async def model_ids(triton: TritonLLM) -> list[str]:
@@ -67,6 +71,17 @@ class ModelFiles:
     async def vocab_size(self, name: str, version: str) -> int:
         """:func:`vocab_size` of the version."""
         return await asyncio.to_thread(vocab_size, self.repository, name, version)
+
+    async def card(self, model_id: str) -> dict:
+        """The model object of ``/v1/models``: OpenAI's fields and vLLM's ``max_model_len``, which clients size
+        their requests by (left out, with a warning, where the repository cannot tell)."""
+        entry = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "triton"}
+        name, _, version = model_id.partition("/")
+        try:
+            entry["max_model_len"] = await self.max_model_len(name, version)
+        except Exception as exc:  # noqa: BLE001 - a model whose config cannot be read here
+            log.warning("max_model_len of %s unknown to the frontend: %s", model_id, exc)
+        return entry
 
 
 def tokenizer_for(repository: Path, tokenizer: str | None, name: str, version: str):

@@ -98,7 +98,13 @@ class _Sampling(BaseModel):
 
     def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """The model's ``sampling_parameters``: the fields that were sent (``max_tokens`` None = up to the
-        context length)."""
+        context length).
+
+        Raises:
+            OpenAIError: 400 for an empty string among ``bad_words``.
+        """
+        if self.bad_words is not None and "" in self.bad_words:  # Triton's path drops them (TensorRT-LLM's "none")
+            raise OpenAIError(400, "bad_words must be non-empty strings", "invalid_value", "bad_words")
         values = {"max_tokens": max_tokens, "logprobs": logprobs,
                   "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
         for name in ("n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",

@@ -9,7 +9,6 @@ generation has, and the answer is written as JSON off the event loop (``openai_f
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import APIRouter
@@ -57,7 +56,7 @@ def token_routes(triton: TritonLLM, config, files: ModelFiles) -> APIRouter:
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         await resolve(triton, model_id)  # 404 for a model not served, 503 for one not ready
-        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "triton"}
+        return await files.card(model_id)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

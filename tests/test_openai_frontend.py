@@ -58,6 +58,20 @@ def test_health_and_models_list_every_served_version(frontend, client):
     for model_id in ids:
         tokenized = requests.post(f"{frontend}/tokenize", json={"model": model_id, "prompt": "Hi"}, timeout=60)
         assert lengths[model_id] == tokenized.json()["max_model_len"] > 0
+        one = requests.get(f"{frontend}/v1/models/{model_id}", timeout=60).json()  # the same object alone
+        assert (one["id"], one["max_model_len"]) == (model_id, lengths[model_id])
+
+
+@pytest.mark.server
+def test_an_empty_bad_word_is_refused_not_dropped(frontend):
+    """Triton's inputs drop empty bad words (TensorRT-LLM clients send "" for none); the OpenAI API refuses them,
+    as it refuses an empty stop string."""
+    for route, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [{"role": "user",
+                                                                                              "content": "Hi"}]})):
+        answer = requests.post(f"{frontend}/v1/{route}", json={"model": "llm", "max_tokens": 2, "bad_words": ["no", ""],
+                                                              **body}, timeout=60)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "bad_words"
 
 
 @pytest.mark.server
