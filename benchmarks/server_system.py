@@ -9,7 +9,8 @@ The client shares the machine's cores with the server, so it is kept light, as v
 asyncio event loop on one channel (``tritonclient.grpc.aio``) rather than a thread and a channel per request,
 which cost the server about 5% of its throughput on 2 cores (0.1-0.2 of a core at 256 streams).
 
-The server runs model ``llm`` version 2 of a copy of ``model_repository/`` whose ``2/engine.json`` sets only the
+The server runs model ``llm`` as the one version of a repository of its own (``tests/triton_server.py``'s
+``single_version_repository``: the project's ``config.pbtxt`` and ``model.py``) whose ``engine.json`` sets only the
 benchmark's dtype, stream_interval, quantization and step time budget (``max_step_ms``: 0, none, unless
 ``--max-step-ms``), so that in-process and served runs compute and schedule the same thing: otherwise
 ``config.pbtxt``'s settings (max_num_seqs 256, max_num_batched_tokens 2048, block_size 16, KV cache sized from
@@ -37,7 +38,8 @@ TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 # The running batch is sampled this often: each sample is a scrape and parse of the whole /metrics page, which
 # the client (7.1 ms of a core each, measured) and tritonserver pay on the cores the model computes with.
 METRICS_POLL_S = 1.0
-MODEL_VERSION = "2"
+MODEL_VERSION = "2"  # the version of a server given to ServerSystem (the project's repository: version 2 serves
+# the default model); a server of its own serves one version, 1
 STREAMED_OUTPUTS = ("text_output", "output_ids")
 
 
@@ -58,21 +60,23 @@ class ServerSystem:
         if config.model is not None:
             raise RuntimeError("the server serves the default model only (model_repository/llm); --model differs")
         sys.path.insert(0, str(TESTS_DIR))
-        from triton_server import copy_repository, start_server  # tests/triton_server.py: ports, readiness
+        from triton_server import single_version_repository, start_server  # tests/triton_server.py
 
         from client import LLMClient
 
         self.owned = server is None
+        self.version = MODEL_VERSION
         if server is None:
             workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
             self.log_path = workdir / "tritonserver.log"
-            repository = copy_repository(workdir / "model_repository", {MODEL_VERSION: served_settings(config)})
+            repository = single_version_repository(workdir / "model_repository", served_settings(config))
+            self.version = "1"
             try:
                 server = start_server(self.log_path, model_repository=repository)
             except RuntimeError:  # start-up races with other servers on the machine happen: one more try
                 server = start_server(self.log_path, model_repository=repository)
         self.server = server
-        self.client = LLMClient(self.server.grpc_url, self.server.http_url, version=MODEL_VERSION)
+        self.client = LLMClient(self.server.grpc_url, self.server.http_url, version=self.version)
         self.progress = config.progress
         self.concurrency = config.concurrency
         self.offline_stream = config.served_offline_stream
@@ -128,7 +132,7 @@ class ServerSystem:
             async with slots:
                 if concurrency:
                     rec.arrival = time.perf_counter()
-                await self._stream_one(client, r, rec, stream, errors)
+                await self._stream_one(client, r, rec, stream, errors, self.version)
             bar.update(1)
 
         try:
@@ -137,9 +141,10 @@ class ServerSystem:
             await client.close()
 
     @staticmethod
-    async def _stream_one(client, r: BenchRequest, rec: RequestRecord, stream: bool, errors: list[str]) -> None:
-        """One request's stream: with ``stream``, a timestamp per received token, else one response with the
-        whole answer (no token times); a failure is appended to ``errors``."""
+    async def _stream_one(client, r: BenchRequest, rec: RequestRecord, stream: bool, errors: list[str],
+                          version: str) -> None:
+        """One request's stream to model version ``version``: with ``stream``, a timestamp per received token, else
+        one response with the whole answer (no token times); a failure is appended to ``errors``."""
         from client import LLMClient
 
         import tritonclient.grpc.aio as grpcclient
@@ -152,7 +157,7 @@ class ServerSystem:
         done = asyncio.Event()
 
         async def request():
-            yield {"model_name": "llm", "model_version": MODEL_VERSION, "inputs": inputs, "outputs": outputs,
+            yield {"model_name": "llm", "model_version": version, "inputs": inputs, "outputs": outputs,
                    "request_id": uuid.uuid4().hex}
             await done.wait()
 
@@ -174,7 +179,7 @@ class ServerSystem:
             done.set()
 
     def _metric(self, name: str) -> float:
-        return self.server.metric(name, model="llm", version=MODEL_VERSION)
+        return self.server.metric(name, model="llm", version=self.version)
 
     def close(self) -> None:
         from triton_server import stop_server

@@ -437,3 +437,23 @@ def test_page_marks_runs_whose_engine_ran_beside_a_second_openmp_pool():
     assert SECOND_POOL_NOTE not in matrix_page(matrix)
     report = json.loads((results / "vllm-bf16-avx2.json").read_text())  # three rounds, before the probe existed
     assert SECOND_POOL_NOTE not in page_markdown(report)
+
+
+def test_block_size_tool_times_each_size_and_reads_the_whole_cache():
+    """``benchmarks.block_size``: a row per size in the order given, each rate the KV bytes over its time."""
+    import torch
+
+    import kernels.cpu
+    from benchmarks import block_size
+
+    if kernels.cpu.load() is None or not kernels.cpu.small_gemm_available(torch.float32):
+        pytest.skip("no C++ kernels with an fp32 small_gemm here")
+    rows, context = 3, 40
+    results = block_size.measure(rows, context, torch.float32, [16, 32], calls=2)
+    assert [r["block_size"] for r in results] == [16, 32]
+    kv_bytes = rows * context * 3 * 64 * 2 * 4 * 30  # SmolLM2-135M: 3 KV heads of 64, 30 layers; K and V in fp32
+    for r in results:
+        assert 0 < r["attention_ms"] < r["step_ms"] < 60_000
+        assert r["attention_gbps"] == pytest.approx(kv_bytes / r["attention_ms"] / 1e6)
+    table = block_size.markdown(results).splitlines()
+    assert len(table) == 4 and table[2].startswith("| 16 |") and "| 1.00x |" in table[2]
