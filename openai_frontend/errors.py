@@ -6,7 +6,7 @@ it): Triton's unknown model is 503 (the frontend found the model ready just befo
 drain or a fault, and a retry elsewhere or later may succeed), the engine's refusals of a valid request
 (``backend.errors.UNAVAILABLE_MESSAGE_STARTS``: full, draining, dead) 503, the model's ``internal error: ...``
 500, and anything else the model rejected (its validation of the request) 400, its ``param`` the sampling field
-the message begins with.
+the message begins with (after an ``invalid``: a constraint that does not compile).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "inter
          503: "service_unavailable"}
 _NOT_READY = re.compile(r"Request for unknown model\b")  # Triton's own words; matched at the start
 _UNAVAILABLE = re.compile("|".join(re.escape(start) for start in UNAVAILABLE_MESSAGE_STARTS))
-_LEADING_NAME = re.compile(r"([a-z_]+)\b")
-_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams)) | {"cache_salt"}
+_LEADING_NAME = re.compile(r"(?:invalid )?([a-z_]+)\b")  # "max_tokens must be", "invalid structured_outputs.json:"
+_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams)) | {"cache_salt", "priority"}
 
 
 class OpenAIError(Exception):

@@ -46,6 +46,11 @@ def test_status_of_triton_errors_is_read_from_the_message():
     assert error_from_triton("server is shutting down; retry on another instance").status == 503
     assert error_from_triton("internal error: boom").status == 500
     assert error_from_triton("temperature must be >= 0, got -1.0").status == 400
+    # param: the request field the engine's message begins with, where it names one
+    assert error_from_triton("temperature must be >= 0, got -1.0").param == "temperature"
+    assert error_from_triton("invalid structured_outputs.json: uniqueItems at $").param == "structured_outputs"
+    assert error_from_triton("priority is 3000000000, beyond the INT32 range").param == "priority"
+    assert error_from_triton("invalid UTF-8 in the prompt").param is None
 
 
 @pytest.mark.server
