@@ -2,20 +2,24 @@
 
 Each call opens its own bidirectional stream, sends one request with ``stream`` true and reads the
 decoupled model's responses until the one flagged final. Leaving the iterator early (a client that
-disconnected) cancels the gRPC call, which Triton turns into a cancelled request: the model aborts it in the
-engine and its KV blocks are freed.
+disconnected) sends an abort request on the same stream (``serve.abort_keys``: the generation request carries a
+random ``abort_key``): the model aborts the request in the engine, its KV blocks are freed, and its final
+response (finish_reason ``abort``) ends it.
 
 After the final response (or an error, which the model and Triton always send as final) the stream is closed
-from this side and left to end normally, never cancelled: tritonserver 2.51 can lose track of a stream
-cancelled after its request completed, and the leaked stream state keeps the model loaded, so an unload
-(and with it a SIGTERM) then waits until Triton's exit timeout. The close is awaited on a task of its own,
-so the client's response is not held up by it.
+from this side and left to end normally. It is cancelled only where that takes over ``CLOSE_TIMEOUT_S``:
+tritonserver 2.51 can lose track of a stream cancelled around the moment its request completes, and the leaked
+stream state keeps the model loaded, so an unload (and with it a SIGTERM) then waits until Triton's exit
+timeout. For the same reason the responses are read on a task of their own (``_Stream``): grpc.aio cancels a
+call whose read is cancelled, as the read of a client that left would be. The close is awaited on a task of its
+own, so the client's response is not held up by it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,9 +32,10 @@ from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.errors import OpenAIError, error_from_triton
+from serve.abort_keys import ABORT, ABORT_KEY
 from serve.request_parsing import MAX_SAMPLING_PARAMETERS_BYTES
 
-CLOSE_TIMEOUT_S = 10.0  # a finished stream that has not ended this long after our half-close is cancelled
+CLOSE_TIMEOUT_S = 10.0  # a stream not ended this long after its final response (or its abort) is cancelled
 # tritonclient's own channel options, and a reconnect backoff of at most 2 s: gRPC's default grows to 120 s, so
 # that once Triton came back (a restart, a slow first load) /health stayed 503 for up to two minutes after.
 _KEEPALIVE = grpcclient.KeepAliveOptions()
@@ -144,19 +149,22 @@ class TritonLLM:
         Raises:
             OpenAIError: the model or Triton rejected or failed the request (status from the message).
         """
-        done = asyncio.Event()
-        request = {"model_name": model, "model_version": version, "request_id": request_id or uuid.uuid4().hex,
-                   "inputs": [_prompt_input(prompt), _bool_input("stream", True),
-                              _bytes_input("sampling_parameters", _sampling_json(sampling))]}
-
-        async def requests():
-            yield request
-            await done.wait()  # keep our side of the stream open until the final response
-
-        responses = self.client.stream_infer(requests())
+        request_id = request_id or uuid.uuid4().hex
+        key = secrets.token_hex(16)
+        stream = _Stream(self.client, {
+            "model_name": model, "model_version": version, "request_id": request_id,
+            "inputs": [_prompt_input(prompt), _bool_input("stream", True),
+                       _bytes_input("sampling_parameters", _sampling_json(sampling))],
+            "parameters": {ABORT_KEY: key}})
         finished = False
         try:
-            async for result, error in responses:
+            while (item := await stream.incoming.get()) is not None:
+                if isinstance(item, Exception):
+                    finished = True
+                    if isinstance(item, grpc.RpcError):  # the stream itself failed: Triton gone or shutting down
+                        raise OpenAIError(503, f"Triton stream failed: {_details(item)}", "service_unavailable")
+                    raise item
+                result, error = item
                 if error is not None:
                     finished = True
                     raise error_from_triton(error.message())
@@ -165,32 +173,77 @@ class TritonLLM:
                     yield from_result(result)
                 if finished:
                     return
-        except grpc.RpcError as exc:  # the stream itself failed: Triton gone or shutting down
             finished = True
-            raise OpenAIError(503, f"Triton stream failed: {exc.details() if hasattr(exc, 'details') else exc}",
-                              "service_unavailable") from None
+            raise OpenAIError(503, "Triton ended the stream before the request's final response",
+                              "service_unavailable")
         finally:
-            done.set()  # half-closes the stream
-            if finished:
-                task = asyncio.get_running_loop().create_task(_wait_for_end(responses))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-            else:  # left early (the client went away): Triton cancels the request
-                responses.cancel()
+            aborted = None
+            if not finished:  # left early (the client went away): the model aborts it
+                stream.send({"model_name": model, "model_version": version, "request_id": f"{request_id}-abort",
+                             "inputs": [], "parameters": {ABORT: key}})
+                aborted = request_id
+            task = asyncio.get_running_loop().create_task(stream.end(aborted))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
 
-async def _wait_for_end(responses) -> None:
-    """Reads a finished, half-closed stream until Triton ends it; cancels it if that takes over
-    ``CLOSE_TIMEOUT_S`` or fails."""
-    try:
-        async with asyncio.timeout(CLOSE_TIMEOUT_S):
-            async for _ in responses:
-                pass
-    except asyncio.CancelledError:
-        responses.cancel()
-        raise
-    except Exception:  # timed out, or the stream failed as it ended
-        responses.cancel()
+class _Stream:
+    """One request's bidirectional gRPC stream, read on a task of its own into ``incoming`` ((result, error)
+    pairs, the exception if reading failed, e.g. a ``grpc.RpcError``, then None once it ended). The reader is apart from the
+    consumer so that a consumer cancelled mid-read (a client that left) does not cancel the call: grpc.aio
+    cancels a call whose read is cancelled, and that cancellation is what tritonserver 2.51 can lose track of."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, request: dict) -> None:
+        self.outgoing: asyncio.Queue[dict | None] = asyncio.Queue()  # None half-closes our side
+        self.outgoing.put_nowait(request)
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        self.call = client.stream_infer(self._requests())
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _requests(self):
+        while (item := await self.outgoing.get()) is not None:
+            yield item
+
+    async def _read(self) -> None:
+        try:
+            async for item in self.call:
+                self.incoming.put_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            self.incoming.put_nowait(exc)
+        finally:
+            self.incoming.put_nowait(None)
+
+    def send(self, request: dict) -> None:
+        self.outgoing.put_nowait(request)
+
+    async def end(self, aborted: str | None = None) -> None:
+        """Half-closes the stream and waits until Triton ends it, first (``aborted``: the id of a request an
+        abort request was sent for) for that request's final response or an error; cancels the call if that
+        takes over ``CLOSE_TIMEOUT_S`` or this task is cancelled."""
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                while aborted is not None and (item := await self.incoming.get()) is not None:
+                    if isinstance(item, Exception) or item[1] is not None:
+                        break
+                    response = item[0].get_response()
+                    if response.id == aborted and response.parameters["triton_final_response"].bool_param:
+                        break
+                self.outgoing.put_nowait(None)
+                await self.reader
+        except asyncio.CancelledError:
+            self._cancel()
+            raise
+        except TimeoutError:
+            self._cancel()
+
+    def _cancel(self) -> None:
+        self.outgoing.put_nowait(None)
+        self.call.cancel()
+        self.reader.cancel()
+
+
+def _details(exc: grpc.RpcError) -> str:
+    return exc.details() if hasattr(exc, "details") else str(exc)
 
 
 def from_result(result) -> Delta:

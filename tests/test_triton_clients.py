@@ -358,3 +358,57 @@ def _open_stream(server, prompt: str, max_tokens: int, callback=None) -> grpccli
                                       tensor("max_tokens", max_tokens), tensor("ignore_eos", True)],
                               model_version="1", request_id=uuid.uuid4().hex)
     return client
+
+
+def test_an_abort_request_on_the_same_stream_ends_a_request_without_cancelling_it(triton_server):
+    """serve.abort_keys: an abort request with a long stream's abort_key, sent on the same stream, ends that request
+    (finish_reason abort, its KV blocks freed); the stream then half-closes and ends with no cancellation. An abort
+    request whose key is not in flight only gets its empty final."""
+    m = triton_server.metric
+    aborts = settled(lambda: m("llm_request_finished_total", finish_reason="abort", version="2"))
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    key = uuid.uuid4().hex
+    client.async_stream_infer("llm", [tensor("text_input", "Tell me a very long story."), tensor("stream", True),
+                                      tensor("max_tokens", 1000), tensor("ignore_eos", True)],
+                              request_id="long", parameters={"abort_key": key}, enable_empty_final_response=True)
+    finals: dict[str, object] = {}
+
+    def read_until(request_id: str) -> None:
+        while request_id not in finals:
+            result, error = responses.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            if response.parameters["triton_final_response"].bool_param:
+                finals[response.id] = result
+
+    try:
+        result, error = responses.get(timeout=60)  # the first token: it runs
+        assert error is None and result.get_response().id == "long"
+        client.async_stream_infer("llm", [], request_id="stranger", parameters={"abort": uuid.uuid4().hex},
+                                  enable_empty_final_response=True)
+        read_until("stranger")
+        assert "long" not in finals  # still running
+        client.async_stream_infer("llm", [], request_id="owner", parameters={"abort": key},
+                                  enable_empty_final_response=True)
+        read_until("long")
+        read_until("owner")
+    finally:
+        client.stop_stream()  # no cancellation: it returns once Triton has ended the stream
+        client.close()
+    assert finals["long"].as_numpy("finish_reason")[0].decode() == "abort"
+    assert finals["owner"].as_numpy("text_output") is None and finals["stranger"].as_numpy("text_output") is None
+    assert wait_idle(triton_server) < 2.0
+    assert settled(lambda: m("llm_request_finished_total", finish_reason="abort", version="2")) == aborts + 1
+
+
+@pytest.mark.parametrize("inputs, parameters, message", [
+    ({}, {"abort": "short"}, "abort must be a string of 16 to 256 characters"),
+    ({}, {"abort": 1234567890123456}, "abort must be a string of 16 to 256 characters"),
+    ({"text_input": "hi"}, {"abort": uuid.uuid4().hex}, "an abort request (parameter 'abort') carries no prompt"),
+    ({"text_input": "hi"}, {"abort_key": "x"}, "abort_key must be a string of 16 to 256 characters"),
+])
+def test_a_malformed_abort_request_or_key_is_refused_by_name(triton_server, inputs, parameters, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        stream(triton_server, inputs, parameters=parameters)

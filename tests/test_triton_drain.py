@@ -7,6 +7,8 @@ grace period (``drain_grace_s``) is 8 s: both leave their server stopped or brok
 
 from __future__ import annotations
 
+import asyncio
+import random
 import signal
 import threading
 import time
@@ -163,13 +165,59 @@ def test_sigterm_after_openai_traffic_exits_0_promptly(tmp_path, default_model_d
                 "model": "llm", "prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "[a-"}},
                 timeout=60).status_code)
         assert statuses == [200, 200, 400] * 8
-        start = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(60) == 0, server.log()[-3000:]
-        elapsed = time.monotonic() - start
+        assert_stops_promptly(server)
     finally:
         if server.process.poll() is None:
             stop_server(server)
+
+
+def test_sigterm_after_openai_clients_left_as_their_answers_ended_exits_0_promptly(tmp_path, default_model_dir):
+    """Clients of the OpenAI API that leave a few milliseconds around the end of short answers, for 25 s: the
+    frontend ends each request left early with an abort request on its gRPC stream (serve.abort_keys), never a
+    cancellation, which tritonserver 2.51 can lose track of when it meets the request's end (the model then never
+    unloads: SIGTERM waited for Triton's exit timeout and the server exited 1, seen with this traffic)."""
+    import aiohttp
+
+    port = free_port()
+    server = start_launcher(tmp_path / "serve.log", single_version_repository(tmp_path / "models", SETTINGS),
+                            openai_port=port)
+    counts = {"answered": 0, "left": 0}
+
+    async def client(seed: int, until: float) -> None:
+        rng = random.Random(seed)
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < until:
+                body = {"model": "llm", "prompt": "Hi", "max_tokens": rng.randint(1, 3), "stream": rng.random() < 0.5}
+                try:
+                    async with asyncio.timeout(rng.uniform(0, 0.3)):  # leaving closes the connection
+                        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as answer:
+                            assert answer.status == 200, await answer.text()
+                            await answer.read()
+                    counts["answered"] += 1
+                except TimeoutError:
+                    counts["left"] += 1
+
+    async def clients() -> None:
+        until = time.monotonic() + 25
+        await asyncio.gather(*(client(seed, until) for seed in range(6)))
+
+    try:
+        asyncio.run(clients())
+        assert counts["answered"] > 50 and counts["left"] > 50, counts
+        assert_stops_promptly(server)
+    finally:
+        if server.process.poll() is None:
+            stop_server(server)
+
+
+def assert_stops_promptly(server) -> None:
+    """SIGTERM to the launcher: the model is unloaded (its ``finalize`` ran) and every process exits 0 well within
+    Triton's exit timeout."""
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(90) == 0, server.log()[-3000:]
+    elapsed = time.monotonic() - start
     log = server.log()
-    assert "successfully unloaded 'llm'" in log and "Exit timeout expired" not in log, log[-3000:]
+    assert "successfully unloaded 'llm'" in log and "finalized in" in log, log[-3000:]
+    assert "Exit timeout expired" not in log, log[-3000:]
     assert elapsed < 20, f"the launcher took {elapsed:.1f} s to stop"

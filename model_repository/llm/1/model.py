@@ -2,7 +2,8 @@
 
 ``initialize`` builds the engine and starts its loop thread; ``execute`` validates each request, hands it
 to the engine and returns at once; a sender thread delivers the engine's deltas through each request's
-response sender. Every request gets exactly one response flagged FINAL, however it ends.
+response sender. Every request gets exactly one response flagged FINAL, however it ends. A request with the
+parameter ``abort`` is no generation: it aborts the one its client gave that ``abort_key`` (``serve.abort_keys``).
 
 Threads of this adapter: Triton's (``execute``: parse, cheap checks, and the tokenizing of prompts up to
 ``INLINE_TOKENIZE_BYTES``), ``llm-intake`` (tokenizes longer prompts, so they never hold up ``execute``),
@@ -43,6 +44,7 @@ from backend.errors import REQUEST_ERROR_STARTS
 from backend.fan_in import Completion, FanIn
 from backend.outputs import coalesce
 from backend.prompt_limits import check_prompt_bytes
+from serve.abort_keys import ABORT, abort_key
 from serve.drain import GRACE_SETTING, DrainMonitor, pop_grace
 from serve.health import HealthMonitor
 from serve.logprobs import vllm_logprobs
@@ -74,6 +76,8 @@ class _InFlight:
     returns: frozenset[str] = frozenset()  # the vLLM backend's return_* inputs that were true
     prompt_logprobs: bool = False  # send the prompt_logprobs output
     wanted: frozenset[str] = frozenset()  # the outputs the client asked for (all of them when it named none)
+    abort_key: str | None = None  # an abort request with this key ends it (serve.abort_keys)
+    aborted: bool = False  # by such a request: aborted on every cancellation sweep until its FINAL has gone out
 
 
 def _log_to_stderr() -> None:
@@ -146,7 +150,12 @@ class TritonPythonModel:
         try:
             client_id = check_request_id(request.request_id() or "req")
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-            parsed = parse_request(inputs, json.loads(request.parameters() or "{}"), request.timeout(),
+            parameters = json.loads(request.parameters() or "{}")
+            target = abort_key(parameters, ABORT)
+            if target is not None:
+                self._abort_by_key(target, inputs, sender)
+                return None
+            parsed = parse_request(inputs, parameters, request.timeout(),
                                    vocab_size=self.engine.model_config.vocab_size, check=self._check)
             request_id = f"{client_id}-{uuid.uuid4().hex[:12]}"
             prefix = "" if parsed.stream or parsed.exclude_input_in_output else parsed.prompt
@@ -154,7 +163,8 @@ class TritonPythonModel:
                 prefix = self.engine.tokenizer.decode(self.engine.check_prompt_token_ids(prefix))
             state = _InFlight(sender, parsed.stream, prefix, logprobs=parsed.logprobs_asked,
                               returns=parsed.returns, wanted=frozenset(request.requested_output_names()),
-                              prompt_logprobs=parsed.params.prompt_logprobs is not None)
+                              prompt_logprobs=parsed.params.prompt_logprobs is not None,
+                              abort_key=abort_key(parameters))
             structured = parsed.params.structured_outputs
             if structured is not None and not self.engine.grammar_compiler.is_cached(structured):
                 self.inflight[request_id] = state
@@ -178,6 +188,25 @@ class TritonPythonModel:
             log.exception("request rejected")
             _send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
             return str(exc)
+
+    def _abort_by_key(self, key: str, inputs: dict, sender) -> None:
+        """An abort request (``serve.abort_keys``): aborts the requests in flight with this ``abort_key`` (none:
+        they have finished) and sends the abort request's empty FINAL.
+
+        Raises:
+            ValueError: the abort request carries a prompt.
+        """
+        if "text_input" in inputs or "input_ids" in inputs:
+            raise ValueError(f"an abort request (parameter {ABORT!r}) carries no prompt")
+        aborted = []
+        for request_id, state in list(self.inflight.items()):
+            if state.abort_key == key:
+                state.aborted = True
+                aborted.append(request_id)
+        if aborted:
+            self.engine.abort(aborted)
+        with self.senders_lock:
+            sender.send(flags=FINAL)
 
     def _check(self, parsed) -> None:
         """The engine's checks of a request without queuing it (``parse_request`` runs them on replaced values)."""
@@ -227,7 +256,7 @@ class TritonPythonModel:
                 continue
             try:
                 with self.senders_lock:
-                    cancelled = state.sender.is_cancelled()
+                    cancelled = state.aborted or state.sender.is_cancelled()
                 if cancelled:  # gave up while waiting: never tokenized, never queued
                     raise ValueError("request cancelled before it was queued")
                 self._add(parsed, request_id, state)
@@ -256,14 +285,15 @@ class TritonPythonModel:
         200 and 12.5k at 50 (metrics written only when changed). The engine takes aborts before it
         schedules and a sweep's aborts reach it together, so a request cancelled while waiting is dropped without
         being admitted to the slots of running ones cancelled with it. A request is aborted again on each sweep
-        until its FINAL has gone out (an abort of an unknown id is ignored)."""
+        until its FINAL has gone out (an abort of an unknown id is ignored), and so is one an abort request ended
+        (``serve.abort_keys``): that covers one the intake thread was adding to the engine as the abort came."""
         while not self.stopping.wait(max(CANCEL_SWEEP_S, len(self.inflight) / MAX_CANCEL_CHECKS_PER_S)):
             try:
                 cancelled = []
                 for request_id in list(self.inflight):
                     with self.senders_lock:  # no is_cancelled() once its FINAL is sent (_send removes it first)
                         state = self.inflight.get(request_id)
-                        if state is not None and state.sender.is_cancelled():
+                        if state is not None and (state.aborted or state.sender.is_cancelled()):
                             cancelled.append(request_id)
                 if cancelled:  # at once: no step between a running request's abort and a waiting one's
                     self.engine.abort(cancelled)
