@@ -189,9 +189,10 @@ class TritonLLM:
 
 class _Stream:
     """One request's bidirectional gRPC stream, read on a task of its own into ``incoming`` ((result, error)
-    pairs, the exception if reading failed, e.g. a ``grpc.RpcError``, then None once it ended). The reader is apart from the
-    consumer so that a consumer cancelled mid-read (a client that left) does not cancel the call: grpc.aio
-    cancels a call whose read is cancelled, and that cancellation is what tritonserver 2.51 can lose track of."""
+    pairs, the exception if reading failed, e.g. a ``grpc.RpcError``, then None once it ended). The reader is
+    apart from the consumer so that a consumer cancelled mid-read (a client that left) does not cancel the call:
+    grpc.aio cancels a call whose read is cancelled, and that cancellation is what tritonserver 2.51 can lose
+    track of."""
 
     def __init__(self, client: grpcclient.InferenceServerClient, request: dict) -> None:
         self.outgoing: asyncio.Queue[dict | None] = asyncio.Queue()  # None half-closes our side
