@@ -82,8 +82,8 @@ class ModelRunner:
         self.sampler = Sampler(*head, native_argmax=attn_backend.uses_cpu_ops)
         num_kv_heads, head_dim = kv_shape(model.config)
         shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(attn_backend.kv_pool(shape, self.dtype, self.device),
+                           attn_backend.kv_pool(shape, self.dtype, self.device))
                           for _ in range(model.config.num_hidden_layers)]
         self.attn_builder = attn_backend.builder(self.kv_caches, block_size, self.device)
         self.max_model_len = max_model_len

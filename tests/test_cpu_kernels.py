@@ -159,6 +159,40 @@ def test_write_kv_puts_each_row_at_its_slot_and_skips_padding(dtype):
         kernels.cpu.write_kv(k, v, key_cache, value_cache, torch.tensor([0, 1, 2, 3, 4, 5, blocks * block_size]))
 
 
+def _mapping_kib(address: int, field: str) -> int:
+    """``field`` (Rss, AnonHugePages, ...) of the mapping of this process that holds ``address``, in KiB."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if not head.endswith(":"):  # a mapping's first line: "start-end perms offset device inode [path]"
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == field + ":":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_kv_pool_is_zeroed_on_2_mib_pages_with_nothing_resident_past_it():
+    """The CPU backend's pools: zeros of the shape and dtype asked for, contiguous, starting on a 2 MiB boundary;
+    where the kernel's THP mode is ``madvise`` (the common default), the whole 2 MiB pages are resident huge pages
+    from the start (every page touched, as ``torch.zeros`` does) and the part past the last one is on 4 KiB pages,
+    so that nothing past the pool is resident."""
+    from backend.attention.cpu import CPUBackend
+
+    shape = (1000, 16, 3, 64)  # 5.9 MiB of bf16: two whole 2 MiB pages and a tail
+    pool = CPUBackend.kv_pool(shape, torch.bfloat16, torch.device("cpu"))
+    nbytes = pool.numel() * pool.element_size()
+    assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert not pool.any() and pool.data_ptr() % (2 << 20) == 0
+    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        # madvise splits the mapping: the whole pages' part, all of it resident on huge pages, and the tail's
+        assert _mapping_kib(pool.data_ptr(), "AnonHugePages") == _mapping_kib(pool.data_ptr(), "Rss") == 2 * 2048
+        assert _mapping_kib(pool.data_ptr() + nbytes - 1, "AnonHugePages") == 0
+    small = CPUBackend.kv_pool((4, 16, 3, 64), torch.float32, torch.device("cpu"))  # under 2 MiB: torch's allocator
+    assert small.shape == (4, 16, 3, 64) and not small.any()
+    assert CPUBackend.kv_pool((0, 16, 3, 64), torch.float32, torch.device("cpu")).shape == (0, 16, 3, 64)
+
+
 @pytest.mark.skipif(not kernels.cpu.small_gemm_available(torch.float32), reason="no small_gemm for fp32 here")
 def test_decode_layers_checks_every_layer_before_the_first_writes_its_kv_cache():
     """decode_layers stores each layer's K and V in the same pass as rotary, and its activations are allocated

@@ -106,3 +106,8 @@ class AttentionBackend:
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         """Why this backend cannot run here (None when it can)."""
         raise NotImplementedError
+
+    @classmethod
+    def kv_pool(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One layer's K or V pool, zeroed: ``shape`` ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return torch.zeros(shape, dtype=dtype, device=device)

@@ -89,3 +89,9 @@ class CPUBackend(AttentionBackend):
         if not cpu_ops.available():
             return "kernels/cpu could not be built here (no C++ compiler; see the log)"
         return None
+
+    @classmethod
+    def kv_pool(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """On 2 MiB transparent huge pages where Linux grants them (``cpu_ops.kv_pool_zeros``): a decode step's
+        blocks lie scattered over the whole pool, and on 4 KiB pages most block reads first miss the TLB."""
+        return cpu_ops.kv_pool_zeros(shape, dtype)

@@ -11,6 +11,7 @@
   W8A8 (the activations rounded to int8 per group of 64 k at run time, integer dot products; on AMX-INT8 tiles
   from 12 rows).
 - ``write_kv``: each token's K and V rows copied to its slot (vLLM's ``reshape_and_cache``).
+- ``kv_pool_zeros``: a layer's paged pool on 2 MiB transparent huge pages.
 - ``argmax_rows``: greedy picks read in the logits' dtype (no fp32 copy of bf16 or fp16 logits).
 - ``greedy_head``: greedy picks from an fp32 LM head through a bf16 pass with a proven error bound, the exact fp32
   logits only for the tokens the bound leaves in doubt (the same picks as the fp32 logits, in about half the time).
@@ -51,10 +52,10 @@ SOURCES = ("common.h", "paged_attention.cpp", "kv_cache.cpp", "small_gemm.cpp", 
 # (an image built once for many nodes: docker/Dockerfile). The AVX-512 / AMX paths are compiled where it allows them.
 CFLAGS = ["-O3", f"-march={os.environ.get('LLM_CPU_KERNELS_MARCH') or 'native'}", "-fno-trapping-math",
           "-mprefer-vector-width=512", "-fopenmp"]
-FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "small_gemm_available",
-             "small_gemm_max_rows", "small_gemm_pack", "small_gemm", "int8_gemm_available", "int8_gemm_max_rows",
-             "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "w8a8_gemm_available", "w8a8_group_size",
-             "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "decode_layers",
+FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "write_kv", "kv_pool_buffer",
+             "small_gemm_available", "small_gemm_max_rows", "small_gemm_pack", "small_gemm", "int8_gemm_available",
+             "int8_gemm_max_rows", "int8_gemm_pack", "int8_gemm_unpack", "int8_gemm", "w8a8_gemm_available",
+             "w8a8_group_size", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "decode_layers",
              "bind_threads", "argmax_rows", "greedy_head_available", "greedy_head", "exit_when_orphaned"]
 
 
@@ -361,6 +362,31 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
             return False
     _module().write_kv(key, value, key_cache, value_cache, slot_mapping)
     return True
+
+
+def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor for one layer's K or V pool, on 2 MiB transparent huge pages where Linux grants them
+    (``madvise``; 4 KiB pages where it does not). A decode step reads its sequences' blocks scattered over the
+    whole pool: on 4 KiB pages most of those reads first miss the TLB. Every page is touched here, so the pool is
+    resident from the start, as ``torch.zeros`` would make it.
+
+    Args:
+        shape: the pool's shape, ``[num_blocks, block_size, num_kv_heads, head_dim]``; dtype: its dtype.
+
+    Returns:
+        A contiguous tensor of ``shape`` and ``dtype``, all zeros.
+
+    Raises:
+        RuntimeError: the extension could not be built.
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = _module().kv_pool_buffer(count * itemsize)
+    return buffer.view(dtype).view(shape).zero_()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

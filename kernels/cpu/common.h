@@ -26,14 +26,16 @@
 
 namespace llm_cpu {
 
-// An uninitialized tensor for weights that decode steps stream from memory, on 2 MiB pages where it spans at least
-// one: its own anonymous mapping, aligned to 2 MiB and marked MADV_HUGEPAGE before its first write, so the kernel
+// An uninitialized tensor for what decode steps read from memory (packed weights, the paged KV pool), on 2 MiB
+// pages where it spans at least one: its own anonymous mapping, aligned to 2 MiB and marked MADV_HUGEPAGE before its first write, so the kernel
 // backs it with transparent huge pages where it can (THP "madvise" mode included) and falls back to 4 KiB pages
-// where it cannot (torch's allocator where the mapping itself fails). The size is rounded up to whole 2 MiB pages
-// (up to 2 MiB more resident per tensor). A stream of 4 KiB pages stalls the hardware prefetchers at every page
-// boundary and walks the page table every 4 KiB: on a Zen 4 EPYC a loop of AVX-512 loads over a 2 GiB buffer read
-// 29 GB/s on 2 threads from 4 KiB pages and 36 GB/s from 2 MiB ones.
-inline torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, at::TensorOptions options) {
+// where it cannot (torch's allocator where the mapping itself fails). With `whole_last_page` the size is rounded up
+// to whole 2 MiB pages (up to 2 MiB more resident per tensor); without it the part past the last whole 2 MiB page
+// stays on 4 KiB pages (nothing resident beyond the tensor). A stream of 4 KiB pages stalls the hardware
+// prefetchers at every page boundary and walks the page table every 4 KiB: on a Zen 4 EPYC a loop of AVX-512 loads
+// over a 2 GiB buffer read 29 GB/s on 2 threads from 4 KiB pages and 36 GB/s from 2 MiB ones.
+inline torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, at::TensorOptions options,
+                                         bool whole_last_page = true) {
   constexpr size_t kHugePageBytes = size_t{2} << 20;
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
@@ -45,7 +47,8 @@ inline torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, at::TensorOption
   if (base == MAP_FAILED) return torch::empty(sizes, options);
   char* data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + kHugePageBytes - 1)
                                        & ~(kHugePageBytes - 1));
-  madvise(data, rounded, MADV_HUGEPAGE);  // a hint: where it is refused, the pages are 4 KiB ones
+  // A hint: where it is refused, the pages are 4 KiB ones.
+  madvise(data, whole_last_page ? rounded : bytes & ~(kHugePageBytes - 1), MADV_HUGEPAGE);
   return torch::from_blob(data, sizes, [base, length](void*) { munmap(base, length); }, options);
 }
 

@@ -99,3 +99,12 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
     llm_cpu::KvSlots::fence();
   });
 }
+
+// A [nbytes] uint8 buffer for a layer's paged pool, on 2 MiB transparent huge pages where the kernel grants them
+// (the part past the last whole one, and all of it where they are refused, on 4 KiB pages), contents undefined.
+// A decode step reads each sequence's blocks scattered over a pool far larger than what the TLB maps in 4 KiB
+// pages, so most block reads would first walk the page table.
+torch::Tensor kv_pool_buffer(int64_t nbytes) {
+  TORCH_CHECK(nbytes > 0, "kv_pool_buffer: nbytes must be positive, got ", nbytes);
+  return llm_cpu::empty_on_huge_pages({nbytes}, torch::TensorOptions().dtype(torch::kUInt8), false);
+}
