@@ -440,7 +440,8 @@ def test_page_marks_runs_whose_engine_ran_beside_a_second_openmp_pool():
 
 
 def test_block_size_tool_times_each_size_and_reads_the_whole_cache():
-    """``benchmarks.block_size``: a row per size in the order given, each rate the KV bytes over its time."""
+    """``benchmarks.block_size``: a row per size (and kind of pages) in the order given, each rate the KV bytes over
+    its time."""
     import torch
 
     import kernels.cpu
@@ -456,4 +457,8 @@ def test_block_size_tool_times_each_size_and_reads_the_whole_cache():
         assert 0 < r["attention_ms"] < r["step_ms"] < 60_000
         assert r["attention_gbps"] == pytest.approx(kv_bytes / r["attention_ms"] / 1e6)
     table = block_size.markdown(results).splitlines()
-    assert len(table) == 4 and table[2].startswith("| 16 |") and "| 1.00x |" in table[2]
+    assert len(table) == 4 and table[2].startswith("| 16 | 2 MiB |") and "| 1.00x |" in table[2]
+    both = block_size.measure(rows, context, torch.float32, [16], calls=1, scattered=True, pages=("4k", "huge"),
+                              pool_blocks=50)
+    assert [(r["block_size"], r["pages"]) for r in both] == [(16, "4k"), (16, "huge")]
+    assert all(r["attention_gbps"] == pytest.approx(kv_bytes / r["attention_ms"] / 1e6) for r in both)
