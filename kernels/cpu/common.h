@@ -27,13 +27,14 @@
 namespace llm_cpu {
 
 // An uninitialized tensor for what decode steps read from memory (packed weights, the paged KV pool), on 2 MiB
-// pages where it spans at least one: its own anonymous mapping, aligned to 2 MiB and marked MADV_HUGEPAGE before its first write, so the kernel
-// backs it with transparent huge pages where it can (THP "madvise" mode included) and falls back to 4 KiB pages
-// where it cannot (torch's allocator where the mapping itself fails). With `whole_last_page` the size is rounded up
-// to whole 2 MiB pages (up to 2 MiB more resident per tensor); without it the part past the last whole 2 MiB page
-// stays on 4 KiB pages (nothing resident beyond the tensor). A stream of 4 KiB pages stalls the hardware
-// prefetchers at every page boundary and walks the page table every 4 KiB: on a Zen 4 EPYC a loop of AVX-512 loads
-// over a 2 GiB buffer read 29 GB/s on 2 threads from 4 KiB pages and 36 GB/s from 2 MiB ones.
+// pages where it spans at least one: its own anonymous mapping, aligned to 2 MiB and marked MADV_HUGEPAGE before
+// its first write, so the kernel backs it with transparent huge pages where it can (THP "madvise" mode included)
+// and falls back to 4 KiB pages where it cannot (torch's allocator where the mapping itself fails). With
+// `whole_last_page` the size is rounded up to whole 2 MiB pages (up to 2 MiB more resident per tensor); without it
+// the part past the last whole 2 MiB page stays on 4 KiB pages (nothing resident beyond the tensor). A stream of
+// 4 KiB pages stalls the hardware prefetchers at every page boundary and walks the page table every 4 KiB: on a
+// Zen 4 EPYC a loop of AVX-512 loads over a 2 GiB buffer read 29 GB/s on 2 threads from 4 KiB pages and 36 GB/s
+// from 2 MiB ones.
 inline torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, at::TensorOptions options,
                                          bool whole_last_page = true) {
   constexpr size_t kHugePageBytes = size_t{2} << 20;
