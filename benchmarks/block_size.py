@@ -62,7 +62,7 @@ def measure(rows: int, context: int, dtype: torch.dtype, block_sizes: list[int],
     generator = torch.Generator().manual_seed(seed)
     weights = _layers(config, dtype, generator)
     setups = []
-    for block_size, kind in [(b, k) for b in block_sizes for k in pages]:
+    for block_size, kind in ((b, k) for b in block_sizes for k in pages):
         per_seq = (context + block_size - 1) // block_size
         num_blocks = max(rows * per_seq, pool_blocks if scattered else 0)
         if scattered:
@@ -81,7 +81,7 @@ def measure(rows: int, context: int, dtype: torch.dtype, block_sizes: list[int],
                 pair.append(pool.copy_(torch.randn(shape, generator=generator) * 0.5))
             caches.append(pair)
         flat = [t for layer, kv in zip(weights, caches) for t in (*layer, *kv)]
-        setups.append((tables, seq_lens, slots, caches, flat))
+        setups.append((block_size, kind, tables, seq_lens, slots, caches, flat))
     hidden = torch.randn(rows, config.hidden_size, generator=generator).to(dtype)
     angles = torch.rand(rows, head_dim) * 6.28
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -93,7 +93,7 @@ def measure(rows: int, context: int, dtype: torch.dtype, block_sizes: list[int],
     step = [[] for _ in setups]
     with torch.inference_mode():
         for _ in range(calls):
-            for i, (tables, seq_lens, slots, caches, flat) in enumerate(setups):
+            for i, (_, _, tables, seq_lens, slots, caches, flat) in enumerate(setups):
                 start = time.perf_counter()
                 for key_cache, value_cache in caches:
                     module.paged_decode_attention(out, query, key_cache, value_cache, tables, seq_lens, scale)
@@ -105,7 +105,7 @@ def measure(rows: int, context: int, dtype: torch.dtype, block_sizes: list[int],
     kv_bytes = rows * context * kv_heads * head_dim * 2 * dtype.itemsize * config.num_hidden_layers
     return [{"block_size": block_size, "pages": kind, "attention_ms": 1e3 * statistics.median(a),
              "attention_gbps": kv_bytes / statistics.median(a) / 1e9, "step_ms": 1e3 * statistics.median(s)}
-            for (block_size, kind), a, s in zip([(b, k) for b in block_sizes for k in pages], attention, step)]
+            for (block_size, kind, *_), a, s in zip(setups, attention, step)]
 
 
 def markdown(results: list[dict]) -> str:

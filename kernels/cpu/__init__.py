@@ -34,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -379,9 +380,7 @@ def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Raises:
         RuntimeError: the extension could not be built.
     """
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
