@@ -4,6 +4,9 @@ Each kernel rounds where transformers rounds, so in bf16 the results equal trans
 the norms up to the last bit of an fp32 sum) and in fp32 they agree to rounding.
 """
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -191,6 +194,30 @@ def test_kv_pool_is_zeroed_on_2_mib_pages_with_nothing_resident_past_it():
     small = CPUBackend.kv_pool((4, 16, 3, 64), torch.float32, torch.device("cpu"))  # under 2 MiB: torch's allocator
     assert small.shape == (4, 16, 3, 64) and not small.any()
     assert CPUBackend.kv_pool((0, 16, 3, 64), torch.float32, torch.device("cpu")).shape == (0, 16, 3, 64)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils) to read the built library")
+def test_decode_attention_kernels_keep_their_software_prefetches():
+    """The decode attention's kernels prefetch the KV rows two tiles ahead (blocks lie scattered, so the hardware
+    prefetchers stop at each block's end). GCC may drop a ``__builtin_prefetch`` it considers free of side
+    effects, and then the AMX kernel takes about 1.4x the time: every decode attention kernel in the built library
+    holds prefetch instructions (the AMX ones where the compiler built them, ``tile_kernel`` everywhere)."""
+    library = kernels.cpu.load().__file__
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True,
+                             check=True).stdout
+    prefetches: dict[str, int] = {}
+    function = None
+    for line in listing.splitlines():
+        header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if header:
+            kernel = re.search(r"\b(amx_decode_kernel|tile_kernel)<([^>]*)>", header.group(1))
+            function = f"{kernel.group(1)}<{kernel.group(2)}>" if kernel else None
+            if function:
+                prefetches.setdefault(function, 0)
+        elif function and "prefetch" in line:
+            prefetches[function] += 1
+    assert {"tile_kernel<float, 64>", "tile_kernel<float, 128>"} <= set(prefetches), sorted(prefetches)
+    assert all(count > 0 for count in prefetches.values()), prefetches
 
 
 @pytest.mark.skipif(not kernels.cpu.small_gemm_available(torch.float32), reason="no small_gemm for fp32 here")
